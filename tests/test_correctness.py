@@ -1,0 +1,69 @@
+"""Greedy outputs of the engine equal transformers' own greedy generate, token for token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_ARCHITECTURES, reference_greedy
+from transformers import AutoModelForCausalLM
+
+from pagedserve import LLM, SamplingParams
+
+PROMPT_LENGTHS = (1, 5, 16, 17, 33, 48, 70, 130)
+NEW_TOKENS = 40
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, 49152, n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoint):
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(architecture: str) -> list[list[int]]:
+        if architecture not in cache:
+            model = AutoModelForCausalLM.from_pretrained(
+                tiny_checkpoint(architecture), dtype=torch.float32
+            )
+            cache[architecture] = [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
+        return cache[architecture]
+
+    return get
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
+def test_batched_greedy_matches_transformers(architecture, tiny_checkpoint, references):
+    llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32")
+    assert _generate(llm) == references(architecture)
+    assert llm.engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
+def test_greedy_matches_transformers_under_preemption(architecture, tiny_checkpoint, references):
+    # 20 blocks of 8 tokens hold barely two of the longer requests at once.
+    llm = LLM(
+        str(tiny_checkpoint(architecture)),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=22,
+        max_num_batched_tokens=64,
+    )
+    assert _generate(llm) == references(architecture)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == 22
+
+
+def test_chunked_prefill_changes_nothing(tiny_checkpoint, references):
+    unchunked = LLM(str(tiny_checkpoint("llama")), dtype="float32", enable_chunked_prefill=False)
+    chunked = LLM(str(tiny_checkpoint("llama")), dtype="float32", max_num_batched_tokens=16)
+    assert _generate(unchunked) == references("llama")
+    assert _generate(chunked) == references("llama")
