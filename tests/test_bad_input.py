@@ -1,0 +1,92 @@
+"""Bad requests fail alone, before scheduling, with a message naming the field and its limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+
+GOOD_PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint) -> LLM:
+    return LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=40)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"max_tokens": 0}, ["max_tokens", "greater than or equal to 1"]),
+        ({"temperature": -0.5}, ["temperature", "greater than or equal to 0"]),
+        ({"top_p": 0.0}, ["top_p", "greater than 0"]),
+        ({"top_p": 1.5}, ["top_p", "less than or equal to 1"]),
+        ({"min_p": 2.0}, ["min_p", "less than or equal to 1"]),
+        ({"top_k": -2}, ["top_k", "greater than or equal to -1"]),
+        ({"min_tokens": 9, "max_tokens": 4}, ["min_tokens", "max_tokens"]),
+        ({"stop": [""]}, ["stop"]),
+        ({"best_of_everything": 3}, ["best_of_everything", "not permitted"]),
+    ],
+)
+def test_sampling_field_errors_name_the_field(fields, expected):
+    with pytest.raises(ValueError) as error:
+        SamplingParams(**fields)
+    for words in expected:
+        assert words in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "expected"),
+    [
+        ("", None, ["prompt", "empty"]),
+        ([], None, ["prompt_token_ids", "empty"]),
+        ([5, 49152], None, ["prompt_token_ids", "49152"]),
+        ([7] * 1024, None, ["prompt", "1024 tokens", "context is 1024"]),
+        ([7] * 1000, SamplingParams(max_tokens=100), ["max_tokens", "context of 1024"]),
+        ([7] * 600, SamplingParams(max_tokens=100), ["KV cache", "640 tokens"]),
+        ({"prompt_token_ids": [1], "extra": 1}, None, ["extra"]),
+    ],
+)
+def test_bad_request_fails_and_others_keep_going(llm, prompt, params, expected):
+    engine = llm.engine
+    good = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    good_id = engine.add_request(GOOD_PROMPT, good)
+    engine.step()
+    with pytest.raises(ValueError) as error:
+        engine.add_request(prompt, params)
+    for words in expected:
+        assert words in str(error.value)
+    assert len(engine.scheduler.waiting) + len(engine.scheduler.running) == 1
+
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == good_id and output.finished:
+                final = output.final
+    alone = llm.generate([GOOD_PROMPT], good)[0]
+    assert final.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len(final.outputs[0].token_ids) == 12
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_generate_validates_every_prompt_before_scheduling_any(llm):
+    with pytest.raises(ValueError, match="prompt must not be empty"):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_engine_settings_are_checked(tiny_checkpoint):
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        LLM(str(tiny_checkpoint("llama")), scheduler="fastest")
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(str(tiny_checkpoint("llama")), kv_cache_memory="lots")
+
+
+def test_missing_model_files_are_named(tmp_path, tiny_checkpoint):
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory"):
+        LLM(str(tmp_path / "absent"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLM(str(tmp_path))
