@@ -117,3 +117,18 @@ def test_metrics_are_ordered_on_one_clock(llm):
     assert m.first_token_time <= m.last_token_time <= m.finished_time
     assert m.time_in_queue == m.first_scheduled_time - m.arrival_time >= 0
     assert m.first_token_step <= m.finished_step
+
+
+def test_abort_under_static_releases_the_rest_of_the_batch(tiny_checkpoint):
+    engine = LLM(str(tiny_checkpoint("llama")), dtype="float32", scheduler="static").engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    aborted = engine.add_request(PROMPT, params)
+    kept = engine.add_request(OTHER_PROMPTS[1], params)
+    engine.step()
+    assert engine.abort_request(aborted)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id: out.final for out in engine.step() if out.finished}
+    assert list(finished) == [kept]
+    assert len(finished[kept].outputs[0].token_ids) == 6
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -79,8 +79,10 @@ class Scheduler:
             self._admit(batch, budget)
         return batch
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> list[Sequence]:
-        """Ends seq, frees its blocks, and returns the sequences whose results may now be released."""
+    def finish(
+        self, seq: Sequence, reason: str, stop_reason: int | str | None = None
+    ) -> list[Sequence]:
+        """Ends seq, frees its blocks; returns the sequences whose results may now be released."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -91,12 +93,15 @@ class Scheduler:
             self.waiting.remove(seq)
         if not self.static:
             return [seq]
-        self._held.append(seq)
+        # An aborted request has nobody waiting for it, so it is never held back.
+        released_now = [seq] if reason == "abort" else []
+        if reason != "abort":
+            self._held.append(seq)
         self._batch.discard(seq.request_id)
         if self._batch:
-            return []
+            return released_now
         released, self._held = self._held, []
-        return released
+        return released_now + released
 
     def drop_held(self, seq: Sequence) -> None:
         """Forgets a finished sequence still held back under `static` (its caller has gone)."""
