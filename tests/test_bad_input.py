@@ -85,8 +85,8 @@ def test_engine_settings_are_checked(tiny_checkpoint):
 def test_missing_model_files_are_named(tmp_path, tiny_checkpoint):
     with pytest.raises(FileNotFoundError, match="neither a checkpoint directory"):
         LLM(str(tmp_path / "absent"))
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         LLM(str(tmp_path))
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
-    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel"):
         LLM(str(tmp_path))

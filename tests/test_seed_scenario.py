@@ -1,4 +1,4 @@
-"""Two seats, A wants 8 tokens, B 64, C waits: continuous batching against request-level batching."""
+"""Two seats; A wants 8 tokens, B 64, C waits: continuous against request-level batching."""
 
 from __future__ import annotations
 

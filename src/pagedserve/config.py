@@ -35,7 +35,9 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.scheduler not in SCHEDULER_POLICIES:
-            raise ValueError(f"scheduler must be one of {SCHEDULER_POLICIES}, got {self.scheduler!r}")
+            raise ValueError(
+                f"scheduler must be one of {SCHEDULER_POLICIES}, got {self.scheduler!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         parse_memory(self.kv_cache_memory)

@@ -1,4 +1,4 @@
-"""Paged attention: new keys and values go into cache slots, past ones are read through block tables.
+"""Paged attention: new keys and values go into cache slots, old ones are read through block tables.
 
 Every scheduled token of a step (prefill chunks and single decode tokens alike) is attended in one
 batched call per layer: the packed queries are scattered into a [sequences, longest query] grid, the
@@ -95,7 +95,7 @@ class PagedAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        # Set by the model runner once the KV cache is allocated: [blocks, block_size, kv_heads, dim].
+        # Set once the KV cache is allocated: [blocks, block_size, kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 

@@ -1,0 +1,128 @@
+"""The `pagedserve` command: generate, chat (and later serve and bench)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from pagedserve.config import DTYPES, SCHEDULER_POLICIES, EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2)")
+    group.add_argument("--dtype", choices=DTYPES, default=defaults["dtype"])
+    group.add_argument("--device", default=defaults["device"], help="auto, cpu, cuda, cuda:1")
+    group.add_argument("--block-size", type=int, default=defaults["block_size"])
+    group.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"])
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"]
+    )
+    group.add_argument("--kv-cache-memory", default=defaults["kv_cache_memory"])
+    group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default=defaults["scheduler"])
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument(
+        "--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
+    )
+    group.add_argument("--seed", type=int, default=defaults["seed"])
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    return EngineConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.7)
+    group.add_argument("--top-p", type=float, default=0.9)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagedserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+    )
+
+
+def _stream_reply(llm, prompt, params) -> str:
+    reply = []
+    for output in llm.engine.stream(prompt, params):
+        print(output.new_text, end="", flush=True)
+        reply.append(output.new_text)
+    print()
+    return "".join(reply)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from pagedserve.llm import LLM
+
+    params = _sampling_params(args)
+    llm = LLM(**vars(engine_config(args)))
+    prompt = args.prompt
+    if not args.raw and llm.get_tokenizer().chat_template is not None:
+        prompt = {"prompt_token_ids": llm.chat_token_ids([{"role": "user", "content": prompt}])}
+    _stream_reply(llm, prompt, params)
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from pagedserve.llm import LLM
+
+    params = _sampling_params(args)
+    llm = LLM(**vars(engine_config(args)))
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("Chat with the model; an empty line or Ctrl-D ends it.", file=sys.stderr)
+    while True:
+        try:
+            message = input("> ").strip()
+        except EOFError:
+            break
+        if not message:
+            break
+        history.append({"role": "user", "content": message})
+        prompt = {"prompt_token_ids": llm.chat_token_ids(history)}
+        history.append({"role": "assistant", "content": _stream_reply(llm, prompt, params)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="stream a reply to one prompt")
+    generate.add_argument("prompt")
+    generate.add_argument("--raw", action="store_true", help="complete the text, no chat template")
+    add_engine_args(generate)
+    _add_sampling_args(generate)
+    generate.set_defaults(handler=_generate)
+
+    chat = commands.add_parser("chat", help="interactive chat on the terminal")
+    chat.add_argument("--system", default=None, help="a system message")
+    add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(handler=_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except (ValueError, FileNotFoundError) as error:
+        sys.exit(f"pagedserve: error: {error}")
+
+
+if __name__ == "__main__":
+    main()
