@@ -76,4 +76,3 @@ class IncrementalDetokenizer:
         if found is None:
             return None, len(self.text)
         return found[1], found[0]
-
