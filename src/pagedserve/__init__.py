@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from pagedserve.llm import LLM
-    from pagedserve.outputs import CompletionOutput, RequestOutput
+    from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedserve.sampling_params import SamplingParams
 
 
@@ -22,7 +22,7 @@ def __getattr__(name: str):
         from pagedserve.sampling_params import SamplingParams
 
         return SamplingParams
-    if name in ("CompletionOutput", "RequestOutput"):
+    if name in ("CompletionOutput", "Logprob", "RequestOutput"):
         from pagedserve import outputs
 
         return getattr(outputs, name)

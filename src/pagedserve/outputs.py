@@ -25,12 +25,26 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One candidate token at one output position, as vLLM names it."""
+
+    logprob: float
+    rank: int | None = None  # 1 for the most likely token
+    decoded_token: str | None = None
+
+
+# One output position: the chosen token and the top `logprobs` alternatives, by token id.
+SampleLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[SampleLogprobs] | None = None  # one per token id; None unless asked for
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -53,6 +67,7 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    new_logprobs: list[SampleLogprobs] | None = None  # one per new token id, when asked for
     # Set once the request's result is released (at once, or at batch end under `static`).
     final: RequestOutput | None = None
 

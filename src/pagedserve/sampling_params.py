@@ -15,6 +15,9 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="0 or -1: no limit")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's, on output tokens")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's, per occurrence")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="HF's, on prompt and output tokens")
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     max_tokens: int | None = Field(16, ge=1, description="None: up to the model's context")
     min_tokens: int = Field(0, ge=0)
@@ -22,6 +25,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -48,3 +52,11 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -20,7 +20,13 @@ from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.source import resolve_model_dir
-from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
+from pagedserve.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+    StepOutput,
+)
 from pagedserve.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict
@@ -158,8 +164,10 @@ class LLMEngine:
             for seq, num_new in scheduled.entries:
                 seq.num_computed_tokens += num_new
             now = time.monotonic()
-            for seq, token in sampled:
+            for seq, token, logprobs in sampled:
                 output = outputs[seq.request_id] = StepOutput(seq.request_id, [token])
+                if logprobs is not None:
+                    self._record_logprobs(seq, logprobs, output)
                 released += self._append_token(seq, token, output, now)
             self.stats.num_steps += 1
         now = time.monotonic()
@@ -168,6 +176,15 @@ class LLMEngine:
             output.final = self._release(seq, now)
         self.step_index += 1
         return list(outputs.values())
+
+    def _record_logprobs(self, seq: Sequence, logprobs: SampleLogprobs, output: StepOutput) -> None:
+        # Each candidate decoded alone, special tokens kept: a candidate has no text context, and
+        # a client reading alternatives needs to see e.g. that the end-of-sequence was likely.
+        texts = self.tokenizer.batch_decode([[token] for token in logprobs])
+        for logprob, text in zip(logprobs.values(), texts, strict=True):
+            logprob.decoded_token = text
+        seq.logprobs.append(logprobs)
+        output.new_logprobs = [logprobs]
 
     def _append_token(
         self, seq: Sequence, token: int, output: StepOutput, now: float
@@ -214,6 +231,7 @@ class LLMEngine:
             token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs,
         )
         return RequestOutput(
             request_id=seq.request_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -10,7 +11,20 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
 from pagedserve.model.checkpoint import load_model
-from pagedserve.model.sampler import SamplingBatch, sample
+from pagedserve.model.sampler import (
+    LogprobsRequest,
+    LogprobsTensors,
+    PenaltyBatch,
+    SamplingBatch,
+    sample,
+)
+from pagedserve.outputs import Logprob, SampleLogprobs
+
+
+class Sampled(NamedTuple):
+    seq: Sequence
+    token: int
+    logprobs: SampleLogprobs | None  # decoded_token left for the engine, which holds the tokenizer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,9 +61,10 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
 
     @torch.inference_mode()
-    def run(self, entries: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        """Computes every scheduled token; returns (sequence, new token) for each sequence whose
-        pending tokens are all computed by this step, in the order of entries."""
+    def run(self, entries: list[tuple[Sequence, int]]) -> list[Sampled]:
+        """Computes every scheduled token; returns the new token (and logprobs when asked for) of
+        each sequence whose pending tokens are all computed by this step, in the order of
+        entries."""
         input_ids: list[int] = []
         query_lens, context_lens, block_tables = [], [], []
         sampling_rows: list[int] = []
@@ -76,8 +91,20 @@ class ModelRunner:
             return []
         rows = torch.tensor(sampling_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        tokens = sample(logits, self._sampling_batch(sampling_seqs)).tolist()
-        return list(zip(sampling_seqs, tokens, strict=True))
+        return self._sample(logits, sampling_seqs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+        batch = self._sampling_batch(seqs)
+        result = sample(logits, batch)
+        tokens = result.tokens.tolist()
+        logprobs: list[SampleLogprobs | None] = [None] * len(seqs)
+        if result.logprobs is not None:
+            rows = batch.logprobs.rows.tolist()
+            num_tops = [seqs[row].params.logprobs for row in rows]
+            entries = _logprob_dicts(result.logprobs, [tokens[row] for row in rows], num_tops)
+            for row, entry in zip(rows, entries, strict=True):
+                logprobs[row] = entry
+        return [Sampled(*item) for item in zip(seqs, tokens, logprobs, strict=True)]
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [seq.params for seq in seqs]
@@ -106,4 +133,59 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
             needs_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             needs_min_p=any(p.min_p > 0.0 for p in params),
+            penalties=self._penalty_batch(seqs),
+            logprobs=self._logprobs_request(seqs),
         )
+
+    def _penalty_batch(self, seqs: list[Sequence]) -> PenaltyBatch | None:
+        """None unless some row uses a penalty, so greedy-only batches pay nothing for them."""
+        if not any(seq.params.uses_penalties for seq in seqs):
+            return None
+        histories: list[list[int]] = []
+        output_start: list[int] = []
+        params = [seq.params for seq in seqs]
+        for seq, p in zip(seqs, params, strict=True):
+            if p.repetition_penalty != 1.0:
+                histories.append(seq.token_ids)
+                output_start.append(seq.num_prompt_tokens)
+            else:
+                # Presence and frequency never look at the prompt, so it is not uploaded.
+                histories.append(seq.output_token_ids if p.uses_penalties else [])
+                output_start.append(0)
+        pad = self.model_config.vocab_size
+        width = max(len(history) for history in histories)
+        padded = [history + [pad] * (width - len(history)) for history in histories]
+        device = self.device
+        return PenaltyBatch(
+            presence=torch.tensor([p.presence_penalty for p in params], device=device),
+            frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
+            repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
+            token_ids=torch.tensor(padded, dtype=torch.long, device=device),
+            output_start=torch.tensor(output_start, device=device),
+        )
+
+    def _logprobs_request(self, seqs: list[Sequence]) -> LogprobsRequest | None:
+        rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if not rows:
+            return None
+        num_top = max(seqs[row].params.logprobs for row in rows)
+        return LogprobsRequest(torch.tensor(rows, device=self.device), num_top)
+
+
+def _logprob_dicts(
+    tensors: LogprobsTensors, chosen: list[int], num_tops: list[int]
+) -> list[SampleLogprobs]:
+    """One dict per row that asked: the chosen token first, then the row's own top ones (the
+    batch fetched as many as its widest row wanted)."""
+    chosen_logprobs = tensors.chosen_logprob.tolist()
+    chosen_ranks = tensors.chosen_rank.tolist()
+    top_ids = tensors.top_ids.tolist()
+    top_logprobs = tensors.top_logprobs.tolist()
+    entries = []
+    for i, num_top in enumerate(num_tops):
+        entry = {chosen[i]: Logprob(chosen_logprobs[i], chosen_ranks[i])}
+        top = zip(top_ids[i][:num_top], top_logprobs[i][:num_top], strict=True)
+        for rank, (token, logprob) in enumerate(top, start=1):
+            entry.setdefault(token, Logprob(logprob, rank))
+        entries.append(entry)
+    return entries

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from pagedserve.outputs import RequestMetrics
+from pagedserve.outputs import RequestMetrics, SampleLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -31,10 +31,13 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[SampleLogprobs] | None = None  # one per output token, when params ask
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def num_tokens(self) -> int:

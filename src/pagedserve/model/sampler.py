@@ -1,5 +1,9 @@
 """Batched sampling: one set of tensor operations picks the next token of every sequence.
 
+Order per step: min_tokens bans, then penalties (repetition, frequency, presence); from those
+logits come both the optional logprobs and the choice (greedy argmax, or temperature, top-k,
+top-p, min-p and the draw).
+
 Randomness comes from a counter-based hash of (seed, output index, token id) rather than a
 generator's state, so a seeded request draws the same tokens whatever else shares its batch,
 and no per-request generator has to be stepped in a Python loop.
@@ -16,6 +20,38 @@ _GOLDEN32 = 0x9E3779B9
 
 
 @dataclass
+class PenaltyBatch:
+    """Penalty settings and token history of every row; only built when some row uses one."""
+
+    presence: torch.Tensor  # [rows] float; 0 means off
+    frequency: torch.Tensor  # [rows] float; 0 means off
+    repetition: torch.Tensor  # [rows] float; 1 means off
+    # [rows, length] long: each row's history padded with the vocabulary size (a dropped column).
+    token_ids: torch.Tensor
+    # [rows] long: where the outputs start in token_ids; earlier tokens are prompt tokens, which
+    # count for the repetition penalty but not for presence or frequency.
+    output_start: torch.Tensor
+
+
+@dataclass
+class LogprobsRequest:
+    """Which rows want logprobs and how many alternatives the widest of them asked for."""
+
+    rows: torch.Tensor  # [m] long
+    num_top: int  # the largest `logprobs` among those rows; each row keeps its own prefix
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of the rows in LogprobsRequest.rows, in that order."""
+
+    chosen_logprob: torch.Tensor  # [m] float
+    chosen_rank: torch.Tensor  # [m] long, 1 for the most likely token
+    top_ids: torch.Tensor  # [m, num_top] long, most likely first
+    top_logprobs: torch.Tensor  # [m, num_top] float
+
+
+@dataclass
 class SamplingBatch:
     """One row per sequence that samples this step."""
 
@@ -29,12 +65,65 @@ class SamplingBatch:
     all_greedy: bool
     needs_top_k_or_p: bool
     needs_min_p: bool
+    penalties: PenaltyBatch | None = None
+    logprobs: LogprobsRequest | None = None
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits: [rows, vocab] float32. Returns the chosen token id of each row."""
+@dataclass
+class SamplerOutput:
+    tokens: torch.Tensor  # [rows] long
+    logprobs: LogprobsTensors | None
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits: [rows, vocab] float32. Returns the chosen token id of each row, and logprobs of
+    the rows that asked for them."""
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    tokens = _choose(logits, batch)
+    logprobs = None
+    if batch.logprobs is not None:
+        logprobs = compute_logprobs(logits, tokens, batch.logprobs)
+    return SamplerOutput(tokens, logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
+    """vLLM's order: the repetition penalty (HF semantics, prompt and output tokens) first, then
+    OpenAI's frequency and presence penalties on output tokens only."""
+    rows, vocab = logits.shape
+    ids = penalties.token_ids
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    is_output = positions[None, :] >= penalties.output_start[:, None]
+    # One spare column absorbs the padding id, so padded slots count nowhere.
+    seen = torch.zeros(rows, vocab + 1, device=logits.device)
+    seen.scatter_add_(1, ids, torch.ones_like(ids, dtype=seen.dtype))
+    counts = torch.zeros_like(seen).scatter_add_(1, ids, is_output.to(seen.dtype))
+    seen, counts = seen[:, :vocab] > 0, counts[:, :vocab]
+    repetition = penalties.repetition[:, None]
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - penalties.frequency[:, None] * counts
+    return logits - penalties.presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, request: LogprobsRequest
+) -> LogprobsTensors:
+    """Log-softmax of the logits after bans and penalties but before temperature and top-k/p/
+    min-p. vLLM V1 by default reports raw logits and V0 included temperature; this middle
+    ground describes the distribution the token was chosen from, yet stays independent of
+    how loosely a request samples, and greedy requests get real probabilities, not 0 and 1."""
+    logprobs = logits[request.rows].log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[request.rows, None]).squeeze(1)
+    # vLLM's rank: how many tokens are at least as likely, the chosen one included.
+    rank = (logprobs >= chosen[:, None]).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(request.num_top, dim=-1)
+    return LogprobsTensors(chosen, rank, top_ids, top_logprobs)
+
+
+def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens
