@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 test: setup
 	$(BIN)/python -m pytest -q
 
+serve: setup
+	$(BIN)/pagedserve serve $(ARGS)
+
 lint: setup
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests

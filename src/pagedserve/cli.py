@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import fields
 
@@ -33,6 +34,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    group.add_argument("--served-model-name", default=None)
+    group.add_argument(
+        "--max-waiting", type=int, default=1024, help="queue length beyond which requests get 503"
+    )
+    group.add_argument("--log-interval", type=float, default=5.0, help="seconds between stat lines")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +110,13 @@ def _chat(args: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": _stream_reply(llm, prompt, params)})
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.serve import serve
+
+    serve(args, LLMEngine(engine_config(args)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -113,10 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(handler=_chat)
+
+    serve = commands.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(handler=_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         args.handler(args)

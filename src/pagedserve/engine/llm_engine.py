@@ -1,4 +1,4 @@
-"""The engine loop: admit requests, run one scheduled step at a time, hand back what each produced."""
+"""The engine loop: admit requests, run one scheduled step at a time, hand back what came out."""
 
 from __future__ import annotations
 
@@ -98,7 +98,9 @@ class LLMEngine:
         """Validates a request and builds its sequence; raises ValueError before any scheduling."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
         request_id = request_id or f"req-{next(self._request_counter)}"
@@ -139,7 +141,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._released_outside_step)
 
-    def stream(self, prompt: PromptInput, params: SamplingParams | None = None) -> Iterator[StepOutput]:
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def stream(
+        self, prompt: PromptInput, params: SamplingParams | None = None
+    ) -> Iterator[StepOutput]:
         """Submits one request and steps the engine, yielding that request's pieces as they come."""
         request_id = self.add_request(prompt, params)
         while True:

@@ -163,7 +163,7 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """The murmur3 finaliser on 32-bit values held in int64 (products wrap, the mask keeps 32 bits)."""
+    """The murmur3 finaliser on 32-bit values in int64: products wrap, the mask keeps 32 bits."""
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & _MASK32
     x = x ^ (x >> 13)

@@ -1,0 +1,335 @@
+"""The OpenAI-compatible HTTP API: handlers validate, submit, stream and abort; nothing more."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pagedserve.outputs import StepOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server import responses
+from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.server.responses import Choice, sse
+
+logger = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    model_name: str
+    api_key: str | None
+    registry: CollectorRegistry
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: int | None = None):
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error_response(status: int, message: str, kind: str, param: str | None = None):
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(error_body(message, kind, param, status), status, headers=headers)
+
+
+def _validation_message(error: ValidationError | RequestValidationError) -> tuple[str, str]:
+    details = error.errors()
+    parts, param = [], None
+    for detail in details:
+        location = [str(p) for p in detail.get("loc", ()) if p != "body"]
+        name = ".".join(location) or "body"
+        param = param or name
+        parts.append(f"{name}: {detail.get('msg')}")
+    return "; ".join(parts), param
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="pagedserve", version=VERSION)
+    app.state.server = state
+    _install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {state.api_key}":
+            raise ApiError(401, "missing or wrong API key", "authentication_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.dead_error is not None:
+            return _error_response(503, "the engine has stopped", "server_error")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models() -> dict:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": responses.now_seconds(),
+            "owned_by": "pagedserve",
+            "max_model_len": state.engine.engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    async def completions(body: CompletionRequest):
+        _check_model(state, body.model)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await _submit(state.engine, body.prompts(), params, body.n, request_id)
+        run = _Completion(state.model_name, request_id, body, len(streams))
+        if body.stream:
+            return _event_stream(run.chunks(streams))
+        return await run.response(streams)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    async def chat_completions(body: ChatCompletionRequest):
+        _check_model(state, body.model)
+        params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
+        prompt = {"prompt_token_ids": await asyncio.to_thread(_chat_tokens, state, body)}
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await _submit(state.engine, [prompt], params, body.n, request_id)
+        run = _ChatCompletion(state.model_name, request_id, body, len(streams))
+        if body.stream:
+            return _event_stream(run.chunks(streams))
+        return await run.response(streams)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError):
+        return _error_response(error.status, error.message, error.kind, error.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def request_invalid(_: Request, error: RequestValidationError):
+        message, param = _validation_message(error)
+        return _error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, error: ValueError):
+        if isinstance(error, ValidationError):
+            message, param = _validation_message(error)
+            return _error_response(400, message, "invalid_request_error", param)
+        return _error_response(400, str(error), "invalid_request_error")
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, error: QueueFullError):
+        return _error_response(503, f"server busy: {error}", "server_busy")
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError):
+        return _error_response(500, str(error), "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException):
+        return _error_response(error.status_code, str(error.detail), "invalid_request_error")
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ApiError(
+            404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
+            "not_found_error", "model",
+        )  # fmt: skip
+
+
+def _chat_tokens(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    tokenizer = state.engine.engine.tokenizer
+    if tokenizer.chat_template is None:
+        raise ValueError("this model has no chat template; use /v1/completions")
+    messages = [message.as_template_input() for message in body.messages]
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+
+
+async def _submit(
+    engine: AsyncLLMEngine, prompts: list, params: SamplingParams, n: int, request_id: str
+) -> list[AsyncIterator[StepOutput]]:
+    """Submits n samples of every prompt, or none of them if any is refused."""
+    streams: list[AsyncIterator[StepOutput]] = []
+    submitted: list[str] = []
+    try:
+        for prompt_index, prompt in enumerate(prompts):
+            for sample in range(n):
+                sample_params = params
+                if params.seed is not None and sample > 0:
+                    # Distinct but reproducible samples of one seeded request.
+                    sample_params = params.model_copy(update={"seed": params.seed + sample})
+                sub_id = f"{request_id}-{prompt_index}-{sample}"
+                streams.append(await engine.add_request(prompt, sample_params, sub_id))
+                submitted.append(sub_id)
+    except BaseException:
+        for sub_id in submitted:
+            engine.abort(sub_id)
+        raise
+    return streams
+
+
+async def _merge(
+    streams: list[AsyncIterator[StepOutput]],
+) -> AsyncIterator[tuple[int, StepOutput]]:
+    """Interleaves several requests' outputs as they come; closing it aborts the unfinished."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[StepOutput]) -> None:
+        try:
+            async for output in stream:
+                await merged.put((index, output))
+        except Exception as error:
+            await merged.put((index, error))
+        await merged.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream")
+
+
+class _Completion:
+    kind = "text_completion"
+
+    def __init__(self, model: str, request_id: str, body, num_choices: int):
+        self.model, self.request_id, self.body = model, request_id, body
+        self.created = responses.now_seconds()
+        self.choices = [Choice(i) for i in range(num_choices)]
+
+    def _envelope(self) -> dict:
+        return responses.envelope(self.request_id, self.kind, self.model, self.created)
+
+    def prompt_tokens(self) -> int:
+        # Each prompt counts once, however many samples were drawn from it.
+        n = self.body.n
+        return sum(len(c.final.prompt_token_ids) for c in self.choices[::n] if c.final)
+
+    async def response(self, streams) -> dict:
+        async for index, output in _merge(streams):
+            self.choices[index].add(output)
+        return {
+            **self._envelope(),
+            "choices": [self._choice(c) for c in self.choices],
+            "usage": responses.usage(self.choices, self.prompt_tokens()),
+        }
+
+    async def chunks(self, streams) -> AsyncIterator[str]:
+        try:
+            async for index, output in _merge(streams):
+                choice = self.choices[index]
+                text_offset = sum(len(t) for t in choice.text)
+                choice.add(output)
+                if output.new_text or output.finished or output.new_logprobs:
+                    yield sse(
+                        {**self._envelope(), "choices": [self._delta(output, index, text_offset)]}
+                    )
+            if self.body.include_usage:
+                usage = responses.usage(self.choices, self.prompt_tokens())
+                yield sse({**self._envelope(), "choices": [], "usage": usage})
+            yield sse("[DONE]")
+        except EngineDeadError as error:
+            yield sse(responses.error_body_for_stream(str(error)))
+
+    def _choice(self, choice: Choice) -> dict:
+        logprobs = responses.completion_logprobs(choice.logprobs, 0)
+        return {
+            "index": choice.index,
+            "text": "".join(choice.text),
+            "logprobs": logprobs,
+            **responses.finish_fields(choice),
+        }
+
+    def _delta(self, output: StepOutput, index: int, text_offset: int) -> dict:
+        return {
+            "index": index,
+            "text": output.new_text,
+            "logprobs": responses.completion_logprobs(output.new_logprobs or [], text_offset),
+            **responses.finish_fields(output),
+        }
+
+
+class _ChatCompletion(_Completion):
+    kind = "chat.completion"
+
+    async def chunks(self, streams) -> AsyncIterator[str]:
+        envelope = {**self._envelope(), "object": "chat.completion.chunk"}
+        try:
+            for choice in self.choices:
+                delta = {"role": "assistant", "content": ""}
+                first = {"index": choice.index, "delta": delta, "logprobs": None}
+                yield sse({**envelope, "choices": [first | responses.finish_fields(choice)]})
+            async for index, output in _merge(streams):
+                self.choices[index].add(output)
+                if output.new_text or output.finished or output.new_logprobs:
+                    yield sse({**envelope, "choices": [self._delta(output, index, 0)]})
+            if self.body.include_usage:
+                usage = responses.usage(self.choices, self.prompt_tokens())
+                yield sse({**envelope, "choices": [], "usage": usage})
+            yield sse("[DONE]")
+        except EngineDeadError as error:
+            yield sse(responses.error_body_for_stream(str(error)))
+
+    def _top_logprobs(self) -> int:
+        return self.body.top_logprobs or 0
+
+    def _choice(self, choice: Choice) -> dict:
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "logprobs": responses.chat_logprobs(choice.logprobs, self._top_logprobs()),
+            **responses.finish_fields(choice),
+        }
+
+    def _delta(self, output: StepOutput, index: int, text_offset: int) -> dict:
+        return {
+            "index": index,
+            "delta": {"content": output.new_text},
+            "logprobs": responses.chat_logprobs(output.new_logprobs or [], self._top_logprobs()),
+            **responses.finish_fields(output),
+        }

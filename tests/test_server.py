@@ -1,0 +1,334 @@
+"""The OpenAI-compatible server, driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import ServerProcess
+
+from pagedserve import LLM, SamplingParams
+
+API_KEY = "test-key"
+PROMPTS = [
+    "The quick brown fox",
+    "In a galaxy far away",
+    "Numbers: 1, 2, 3,",
+    "Dear diary, today",
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    process = ServerProcess(
+        "--model", str(checkpoint), "--dtype", "float32", "--api-key", API_KEY,
+        "--served-model-name", "tiny",
+    )  # fmt: skip
+    yield process
+    process.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint) -> LLM:
+    return LLM(str(checkpoint), dtype="float32")
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _metric(base_url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    pattern = rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$"
+    values = [float(v) for v in re.findall(pattern, text, flags=re.MULTILINE)]
+    return sum(values)
+
+
+def test_completion_matches_offline_and_streams_the_same_text(client, offline):
+    expected = offline.generate(PROMPTS[0], _greedy(24))[0]
+    extra = {"ignore_eos": True}
+    whole = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0, extra_body=extra
+    )
+    assert whole.choices[0].text == expected.outputs[0].text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert whole.usage.completion_tokens == 24
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=extra,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_matches_offline_and_streams_the_same_text(client, offline):
+    messages = [{"role": "user", "content": "Tell me about tiny models."}]
+    expected = offline.chat(messages, _greedy(20))[0]
+    extra = {"ignore_eos": True}
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=20, temperature=0,
+        extra_body=extra,
+    )  # fmt: skip
+    assert whole.choices[0].message.content == expected.outputs[0].text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert whole.usage.completion_tokens == 20
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, temperature=0, stream=True,
+        extra_body=extra,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == whole.choices[0].message.content
+
+
+def test_several_prompts_and_samples_in_one_request(client, offline):
+    expected = offline.generate(PROMPTS[:2], _greedy(8))
+    whole = client.completions.create(
+        model="tiny", prompt=PROMPTS[:2], max_tokens=8, temperature=0, n=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert texts == [expected[0].outputs[0].text] * 2 + [expected[1].outputs[0].text] * 2
+    assert whole.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert whole.usage.completion_tokens == 32
+
+
+def test_sixteen_concurrent_streams_each_get_their_own_output(server, offline):
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(16)]
+    lengths = [8 + 3 * i for i in range(16)]
+    expected = offline.generate(prompts, [_greedy(n) for n in lengths])
+
+    async def one(aclient: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
+        stream = await aclient.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def all_of_them() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
+        return await asyncio.gather(
+            *(one(aclient, p, n) for p, n in zip(prompts, lengths, strict=True))
+        )
+
+    texts = asyncio.run(all_of_them())
+    assert texts == [e.outputs[0].text for e in expected]
+
+
+def test_disconnect_aborts_and_frees_every_block(server):
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 900, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                      headers=headers, timeout=30) as response:  # fmt: skip
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in received)
+        assert _metric(server.base_url, "pagedserve:kv_cache_usage_perc") > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        usage = _metric(server.base_url, "pagedserve:kv_cache_usage_perc")
+        running = _metric(server.base_url, "pagedserve:num_requests_running")
+        if usage == 0 and running == 0:
+            break
+        time.sleep(0.1)
+    assert (usage, running) == (0, 0)
+
+
+BAD_REQUESTS = [
+    ({"temperature": -1}, 400, "temperature"),
+    ({"temperature": "hot"}, 400, "temperature"),
+    ({"max_tokens": 5000}, 400, "max_tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "word " * 1100}, 400, "context"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"suffix": "x"}, 400, "suffix"),
+    ({"best_of": 3}, 400, "best_of"),
+    ({"model": "gpt-7"}, 404, "gpt-7"),
+]
+
+
+@pytest.mark.parametrize(("change", "status", "named"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_while_others_complete(
+    server, client, offline, change, status, named
+):
+    good = asyncio.run(_bad_beside_good(server.base_url, {"max_tokens": 4, **change}))
+    response, text = good
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert named in error["message"] or named == error["param"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert text == offline.generate(PROMPTS[2], _greedy(16))[0].outputs[0].text
+
+
+async def _bad_beside_good(base_url: str, change: dict) -> tuple[httpx.Response, str]:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    good = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    bad = {"model": "tiny", "prompt": PROMPTS[3], **change}
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60) as http:
+        good_call = asyncio.create_task(http.post("/v1/completions", json=good))
+        bad_response = await http.post("/v1/completions", json=bad)
+        good_response = await good_call
+    assert good_response.status_code == 200
+    return bad_response, good_response.json()["choices"][0]["text"]
+
+
+def test_harmless_openai_fields_are_accepted(client):
+    result = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=2, user="someone", best_of=1,
+        logprobs=None,
+    )  # fmt: skip
+    assert len(result.choices) == 1
+
+
+def test_malformed_json_and_missing_key(server):
+    url = f"{server.base_url}/v1/completions"
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    response = httpx.post(url, content=b"{not json", headers=headers)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    for auth in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(url, json={"prompt": "x"}, headers=auth)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_models_health_and_version(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+
+
+def test_metrics_count_what_was_served(server, client):
+    base = server.base_url
+    names = [
+        "pagedserve:time_to_first_token_seconds_count",
+        "pagedserve:inter_token_latency_seconds_count",
+        "pagedserve:time_per_output_token_seconds_count",
+        "pagedserve:e2e_request_latency_seconds_count",
+        "pagedserve:request_queue_time_seconds_count",
+        "pagedserve:request_prefill_time_seconds_count",
+        "pagedserve:request_decode_time_seconds_count",
+        "pagedserve:prompt_tokens_total",
+        "pagedserve:generation_tokens_total",
+    ]
+    before = {name: _metric(base, name) for name in names}
+    finished_before = _metric(base, "pagedserve:request_success_total", 'finished_reason="length"')
+    result = client.completions.create(
+        model="tiny", prompt=PROMPTS[3], max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    time.sleep(0.3)  # the engine thread records the step just after the response is sent
+    after = {name: _metric(base, name) for name in names}
+    assert (
+        after["pagedserve:generation_tokens_total"] - before["pagedserve:generation_tokens_total"]
+        == 12
+    )
+    assert (
+        after["pagedserve:prompt_tokens_total"] - before["pagedserve:prompt_tokens_total"]
+        == result.usage.prompt_tokens
+    )
+    assert (
+        after["pagedserve:inter_token_latency_seconds_count"]
+        - before["pagedserve:inter_token_latency_seconds_count"]
+        == 11
+    )
+    for name in names[:7]:
+        if name != "pagedserve:inter_token_latency_seconds_count":
+            assert after[name] - before[name] == 1, name
+    finished = _metric(base, "pagedserve:request_success_total", 'finished_reason="length"')
+    assert finished - finished_before == 1
+    assert _metric(base, "pagedserve:time_to_first_token_seconds_sum") > 0
+    text = httpx.get(f"{base}/metrics").text
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                  "num_preemptions_total"):  # fmt: skip
+        assert f"pagedserve:{gauge}" in text
+
+
+def test_full_queue_gets_503_with_retry_after(checkpoint):
+    process = ServerProcess(
+        "--model", str(checkpoint), "--dtype", "float32", "--max-num-seqs", "1",
+        "--max-waiting", "1",
+    )  # fmt: skip
+    try:
+        body = {"prompt": "busy", "max_tokens": 300, "ignore_eos": True}
+
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=process.base_url, timeout=120) as http:
+                calls = [http.post("/v1/completions", json=body) for _ in range(5)]
+                return await asyncio.gather(*calls)
+
+        statuses = [r.status_code for r in asyncio.run(flood())]
+        assert 503 in statuses and 200 in statuses
+        refused = next(r for r in asyncio.run(flood()) if r.status_code == 503)
+        assert refused.headers["retry-after"] == "1"
+        assert json.loads(refused.text)["error"]["code"] == 503
+    finally:
+        process.close()
+
+
+def test_logprobs_in_completions_and_chat(client):
+    completion = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(len(top) in (2, 3) for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+
+
+def test_penalties_and_sampling_fields_are_honoured(client):
+    plain = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    penalised = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0, frequency_penalty=2.0,
+        presence_penalty=2.0, extra_body={"ignore_eos": True, "repetition_penalty": 5.0},
+    )  # fmt: skip
+    assert penalised.usage.completion_tokens == 12
+    seeded = [
+        client.completions.create(
+            model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=1.0, top_p=0.9, seed=7,
+            extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01},
+        ).choices[0].text
+        for _ in range(2)
+    ]  # fmt: skip
+    assert seeded[0] == seeded[1] != plain.choices[0].text
+    assert penalised.choices[0].finish_reason == "length"
