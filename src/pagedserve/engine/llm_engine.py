@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from pagedserve.outputs import (
 )
 from pagedserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 PromptInput = str | list[int] | dict
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -43,6 +45,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        started = time.monotonic()
         self.config = config
         model_dir = resolve_model_dir(config.model)
         self.model_dir = model_dir
@@ -70,6 +73,21 @@ class LLMEngine:
             self.block_manager,
         )
         self.stats = EngineStats()
+        runner = self.runner
+        logger.info(
+            "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks of %d tokens = %d tokens, "
+            "%.2f GiB; max_model_len %d",
+            model_dir.name,
+            model_config.architecture,
+            str(runner.dtype).removeprefix("torch."),
+            runner.device,
+            time.monotonic() - started,
+            runner.num_blocks,
+            config.block_size,
+            self.block_manager.capacity_tokens,
+            runner.kv_cache_bytes / 2**30,
+            self.max_model_len,
+        )
         self.step_index = 0
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
