@@ -1,9 +1,10 @@
 """Paged attention: new keys and values go into cache slots, old ones are read through block tables.
 
-Every scheduled token of a step (prefill chunks and single decode tokens alike) is attended in one
-batched call per layer: the packed queries are scattered into a [sequences, longest query] grid, the
-keys and values of each sequence are gathered from its blocks, and a mask enforces causality,
-each sequence's own length and the sliding window.
+A step's tokens (prefill chunks and single decode tokens alike) are attended in at most two batched
+calls per layer, one for the sequences decoding one token and one for those computing a prompt
+chunk, so a long chunk never pads every decode to its length. Within a call the packed queries are
+scattered into a [sequences, longest query] grid, each sequence's keys and values are gathered from
+its blocks, and a mask enforces causality, each sequence's own length and the sliding window.
 """
 
 from __future__ import annotations
@@ -19,15 +20,51 @@ from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding
 
 
 @dataclass
+class AttentionGroup:
+    """Sequences attended together in one padded call."""
+
+    token_index: torch.Tensor | None  # [group tokens] rows of the packed step; None: all rows
+    block_tables: torch.Tensor  # [sequences, blocks] padded with block 0, masked out
+    query_slots: torch.Tensor | None  # [group tokens] index into the query grid; None: 1 each
+    attn_mask: torch.Tensor  # [sequences, 1, longest query, keys] True where attention is allowed
+    max_query_len: int
+
+    @classmethod
+    def build(
+        cls,
+        q_lens: torch.Tensor,
+        first_positions: torch.Tensor,
+        tables: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+        token_index: torch.Tensor | None,
+    ) -> AttentionGroup:
+        device = q_lens.device
+        max_query_len = int(q_lens.max())
+        query_positions = first_positions[:, None] + torch.arange(max_query_len, device=device)
+        key_positions = torch.arange(tables.shape[1] * block_size, device=device)
+        allowed = key_positions <= query_positions[:, :, None]
+        if sliding_window is not None:
+            allowed &= key_positions > query_positions[:, :, None] - sliding_window
+        # Padding rows of the query grid attend to everything so that softmax stays finite.
+        padding_rows = torch.arange(max_query_len, device=device) >= q_lens[:, None]
+        allowed |= padding_rows[:, :, None]
+        query_slots = None
+        if max_query_len > 1:
+            seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens)
+            starts = torch.cumsum(q_lens, 0) - q_lens
+            offsets = torch.arange(len(seq_of_token), device=device) - starts[seq_of_token]
+            query_slots = seq_of_token * max_query_len + offsets
+        return cls(token_index, tables, query_slots, allowed.unsqueeze(1), max_query_len)
+
+
+@dataclass
 class AttentionBatch:
     """Where each token of a step sits, in tensors shared by every layer."""
 
     positions: torch.Tensor  # [tokens] position of each token in its sequence
     slot_mapping: torch.Tensor  # [tokens] cache slot (block * block_size + offset) to write
-    block_tables: torch.Tensor  # [sequences, blocks] padded with block 0, masked out
-    query_slots: torch.Tensor | None  # [tokens] index into the padded query grid; None when 1 each
-    attn_mask: torch.Tensor  # [sequences, 1, longest query, keys] True where attention is allowed
-    max_query_len: int
+    groups: list[AttentionGroup]
 
     @classmethod
     def build(
@@ -41,7 +78,6 @@ class AttentionBatch:
     ) -> AttentionBatch:
         """context_lens count each sequence's tokens after this step, the new ones included."""
         num_seqs = len(query_lens)
-        max_query_len = max(query_lens)
         q_lens = torch.tensor(query_lens, device=device)
         first_positions = torch.tensor(context_lens, device=device) - q_lens
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
@@ -57,26 +93,29 @@ class AttentionBatch:
             tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         )
 
-        query_positions = first_positions[:, None] + torch.arange(max_query_len, device=device)
-        key_positions = torch.arange(max_blocks * block_size, device=device)
-        allowed = key_positions <= query_positions[:, :, None]
-        if sliding_window is not None:
-            allowed &= key_positions > query_positions[:, :, None] - sliding_window
-        # Padding rows of the query grid attend to everything so that softmax stays finite.
-        padding_rows = torch.arange(max_query_len, device=device) >= q_lens[:, None]
-        allowed |= padding_rows[:, :, None]
+        def group(rows: list[int], token_index: torch.Tensor | None) -> AttentionGroup:
+            width = max(len(block_tables[row]) for row in rows)
+            index = torch.tensor(rows, device=device)
+            return AttentionGroup.build(
+                q_lens[index],
+                first_positions[index],
+                tables[index, :width],
+                block_size,
+                sliding_window,
+                token_index,
+            )
 
-        query_slots = None
-        if max_query_len > 1:
-            query_slots = seq_of_token * max_query_len + offset_in_query
-        return cls(
-            positions=positions,
-            slot_mapping=slot_mapping,
-            block_tables=tables,
-            query_slots=query_slots,
-            attn_mask=allowed.unsqueeze(1),
-            max_query_len=max_query_len,
-        )
+        decode_rows = [row for row, n in enumerate(query_lens) if n == 1]
+        chunk_rows = [row for row, n in enumerate(query_lens) if n > 1]
+        if not decode_rows or not chunk_rows:
+            groups = [group(list(range(num_seqs)), None)]
+        else:
+            is_chunk = q_lens[seq_of_token] > 1
+            groups = [
+                group(decode_rows, query_starts[torch.tensor(decode_rows, device=device)]),
+                group(chunk_rows, torch.nonzero(is_chunk).squeeze(1)),
+            ]
+        return cls(positions, slot_mapping, groups)
 
 
 class PagedAttention(nn.Module):
@@ -120,25 +159,31 @@ class PagedAttention(nn.Module):
         slots_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         slots_k.index_copy_(0, batch.slot_mapping, k)
         slots_v.index_copy_(0, batch.slot_mapping, v)
+        if len(batch.groups) == 1:
+            return self._attend_group(q, batch.groups[0])
+        out = torch.empty_like(q)
+        for group in batch.groups:
+            out.index_copy_(0, group.token_index, self._attend_group(q[group.token_index], group))
+        return out
 
-        num_seqs = batch.block_tables.shape[0]
+    def _attend_group(self, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        num_seqs = group.block_tables.shape[0]
         # [seqs, blocks, block_size, kv_heads, dim] -> [seqs, kv_heads, keys, dim]
-        keys = self.k_cache[batch.block_tables].flatten(1, 2).transpose(1, 2)
-        values = self.v_cache[batch.block_tables].flatten(1, 2).transpose(1, 2)
-
-        if batch.query_slots is None:
+        keys = self.k_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
+        values = self.v_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
+        if group.query_slots is None:
             grid = q.unsqueeze(1)
         else:
-            grid = q.new_zeros(num_seqs * batch.max_query_len, self.num_heads, self.head_dim)
-            grid.index_copy_(0, batch.query_slots, q)
-            grid = grid.view(num_seqs, batch.max_query_len, self.num_heads, self.head_dim)
+            grid = q.new_zeros(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
+            grid.index_copy_(0, group.query_slots, q)
+            grid = grid.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
             grid.transpose(1, 2),
             keys,
             values,
-            attn_mask=batch.attn_mask,
+            attn_mask=group.attn_mask,
             enable_gqa=self.num_heads != self.num_kv_heads,
         ).transpose(1, 2)
-        if batch.query_slots is None:
+        if group.query_slots is None:
             return out.squeeze(1)
-        return out.reshape(-1, self.num_heads, self.head_dim)[batch.query_slots]
+        return out.reshape(-1, self.num_heads, self.head_dim)[group.query_slots]
