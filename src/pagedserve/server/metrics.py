@@ -56,9 +56,9 @@ class ServerMetrics:
             "kv_cache_shared_blocks", "KV cache blocks held by more than one sequence."
         )
         self.prefix_queries = counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            "prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache."
         )
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Of those, tokens found in the cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Requests preempted for recompute.")
