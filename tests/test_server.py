@@ -332,3 +332,41 @@ def test_penalties_and_sampling_fields_are_honoured(client):
     ]  # fmt: skip
     assert seeded[0] == seeded[1] != plain.choices[0].text
     assert penalised.choices[0].finish_reason == "length"
+
+
+def test_parallel_samples_stream_as_choices_with_their_own_finish(client, offline):
+    sampled = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    expected = offline.generate(PROMPTS[:2], sampled)
+    texts = [out.text for result in expected for out in result.outputs]
+    assert len(set(texts)) == 6
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPTS[:2], max_tokens=10, temperature=1.0, seed=11, n=3,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    streamed = [""] * 6
+    finishes: list[list[str]] = [[] for _ in range(6)]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        streamed[choice.index] += choice.text
+        if choice.finish_reason:
+            finishes[choice.index].append(choice.finish_reason)
+    assert streamed == texts  # choice prompt_index * n + sample
+    assert finishes == [["length"]] * 6
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == sum(len(result.prompt_token_ids) for result in expected)
+    assert usage.completion_tokens == 60
+
+
+def test_prefix_cache_metrics_count_a_repeated_prompt(server, client):
+    base = server.base_url
+    names = ["pagedserve:prefix_cache_queries_total", "pagedserve:prefix_cache_hits_total"]
+    prompt = list(range(3000, 3040))
+    before = [_metric(base, name) for name in names]
+    for _ in range(2):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    time.sleep(0.3)  # the engine thread records the step just after the response is sent
+    after = [_metric(base, name) for name in names]
+    # 40 tokens twice; the second finds the first's two full blocks of 16.
+    assert [a - b for a, b in zip(after, before, strict=True)] == [80, 32]
+    assert "pagedserve:kv_cache_shared_blocks" in httpx.get(f"{base}/metrics").text

@@ -28,6 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
     )
+    group.add_argument(
+        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
+    )
     group.add_argument("--seed", type=int, default=defaults["seed"])
 
 

@@ -24,6 +24,7 @@ class EngineConfig:
     scheduler: str = "continuous"
     max_model_len: int | None = None  # None: the model's own context length
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

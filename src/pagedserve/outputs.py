@@ -62,12 +62,16 @@ class RequestOutput:
 
 @dataclass
 class StepOutput:
-    """What one engine step produced for one request: the pieces a stream sends on."""
+    """What one engine step produced for one sample of a request: the pieces a stream sends on."""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs: list[SampleLogprobs] | None = None  # one per new token id, when asked for
+    index: int = 0  # which of the request's n samples (CompletionOutput.index)
+    # Set on the step that ends this sample; its result may be released later (under `static`).
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
     # Set once the request's result is released (at once, or at batch end under `static`).
     final: RequestOutput | None = None
 

@@ -10,7 +10,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    n: int = Field(1, ge=1, le=1, description="parallel samples (only 1 for now)")
+    n: int = Field(1, ge=1, description="samples of the prompt, sharing its KV blocks")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="0 or -1: no limit")

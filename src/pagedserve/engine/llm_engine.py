@@ -41,6 +41,21 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    # Tokens of admitted sequences looked up in the prefix cache, and those found there.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass
+class _Request:
+    """A request's samples: its first sequence, then the forks made once the prompt is computed."""
+
+    samples: list[Sequence]
+    num_released: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return self.samples[0].params.n
 
 
 class LLMEngine:
@@ -58,7 +73,9 @@ class LLMEngine:
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
         )
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         token_budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             # Without chunking a whole prompt (or a preempted request's recompute) runs in one step.
@@ -89,8 +106,8 @@ class LLMEngine:
             self.max_model_len,
         )
         self.step_index = 0
-        self._requests: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._requests: dict[str, _Request] = {}
+        self._detokenizers: dict[Sequence, IncrementalDetokenizer] = {}
         self._released_outside_step: list[Sequence] = []
         self._seed_source = random.Random(config.seed)
         self._request_counter = itertools.count()
@@ -113,11 +130,17 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> Sequence:
-        """Validates a request and builds its sequence; raises ValueError before any scheduling."""
+        """Validates a request and builds its sequence (the first of its n samples); raises
+        ValueError before any scheduling."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n {params.n} exceeds max_num_seqs {self.config.max_num_seqs}, the samples "
+                "that can run at once"
             )
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
@@ -133,27 +156,34 @@ class LLMEngine:
             seed=seed,
             max_tokens=max_tokens,
             metrics=RequestMetrics(arrival_time=time.monotonic()),
+            pending_forks=params.n - 1,
         )
 
     def submit(self, seq: Sequence) -> None:
-        self._requests[seq.request_id] = seq
-        self._detokenizers[seq.request_id] = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens
-        )
+        self._requests[seq.request_id] = _Request([seq])
+        self._add_detokenizer(seq)
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += seq.num_prompt_tokens
 
+    def _add_detokenizer(self, seq: Sequence) -> None:
+        self._detokenizers[seq] = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens
+        )
+
     def abort_request(self, request_id: str) -> bool:
-        """Stops a request at once and frees its blocks; False if it was not in the engine."""
-        seq = self._requests.pop(request_id, None)
-        if seq is None:
+        """Stops a request (all its samples) at once and frees its blocks; False if it was not
+        in the engine."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
             return False
-        self._detokenizers.pop(request_id, None)
-        if seq.is_finished:
-            self.scheduler.drop_held(seq)
-        else:
-            released = self.scheduler.finish(seq, "abort")
-            self._released_outside_step += [s for s in released if s is not seq]
+        released: list[Sequence] = []
+        for seq in request.samples:
+            self._detokenizers.pop(seq, None)
+            if seq.is_finished:
+                self.scheduler.drop_held(seq)
+            else:
+                released += self.scheduler.finish(seq, "abort")
+        self._released_outside_step += [s for s in released if s.request_id != request_id]
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -177,30 +207,57 @@ class LLMEngine:
     # The step.
 
     def step(self) -> list[StepOutput]:
-        outputs: dict[str, StepOutput] = {}
+        """Runs one step; returns a piece per sample that got a token, and a request's final
+        result on the last of its pieces."""
+        outputs: dict[tuple[str, int], StepOutput] = {}
         released, self._released_outside_step = self._released_outside_step, []
         scheduled = self.scheduler.schedule()
+        self.stats.prefix_cache_queries += scheduled.prefix_queried_tokens
+        self.stats.prefix_cache_hits += scheduled.prefix_hit_tokens
         if scheduled:
             started = time.monotonic()
             for seq, _ in scheduled.entries:
                 if seq.metrics.first_scheduled_time is None:
                     seq.metrics.first_scheduled_time = started
-            sampled = self.runner.run(scheduled.entries)
+            self._adopt_forks(scheduled.forks)
+            sampled = self.runner.run(scheduled)
             for seq, num_new in scheduled.entries:
                 seq.num_computed_tokens += num_new
             now = time.monotonic()
             for seq, token, logprobs in sampled:
-                output = outputs[seq.request_id] = StepOutput(seq.request_id, [token])
+                output = StepOutput(seq.request_id, [token], index=seq.sample_index)
+                outputs[seq.request_id, seq.sample_index] = output
                 if logprobs is not None:
                     self._record_logprobs(seq, logprobs, output)
                 released += self._append_token(seq, token, output, now)
             self.stats.num_steps += 1
         now = time.monotonic()
         for seq in released:
-            output = outputs.setdefault(seq.request_id, StepOutput(seq.request_id))
-            output.final = self._release(seq, now)
+            self._release_sample(seq, outputs, now)
         self.step_index += 1
         return list(outputs.values())
+
+    def _adopt_forks(self, forks: dict[Sequence, list[Sequence]]) -> None:
+        for parent, children in forks.items():
+            self._requests[parent.request_id].samples += children
+            for child in children:
+                self._add_detokenizer(child)
+
+    def _release_sample(
+        self, seq: Sequence, outputs: dict[tuple[str, int], StepOutput], now: float
+    ) -> None:
+        """Counts seq's result as released; once all the request's samples are, attaches the
+        request's result to a piece that goes last among the request's pieces of this step."""
+        request = self._requests.get(seq.request_id)
+        if request is None:  # aborted after its release was decided
+            return
+        request.num_released += 1
+        if request.num_released < request.num_samples:
+            return
+        key = (seq.request_id, seq.sample_index)
+        output = outputs.pop(key, None) or StepOutput(seq.request_id, index=seq.sample_index)
+        output.final = self._release(request, now)
+        outputs[key] = output
 
     def _record_logprobs(self, seq: Sequence, logprobs: SampleLogprobs, output: StepOutput) -> None:
         # Each candidate decoded alone, special tokens kept: a candidate has no text context, and
@@ -222,7 +279,7 @@ class LLMEngine:
             metrics.first_token_step = self.step_index
         metrics.last_token_time = now
         params = seq.params
-        detokenizer = self._detokenizers[seq.request_id]
+        detokenizer = self._detokenizers[seq]
         reason: str | None = None
         stop_reason: int | str | None = None
         if token in params.stop_token_ids:
@@ -241,30 +298,35 @@ class LLMEngine:
         if reason is None:
             return []
         output.new_text += detokenizer.flush()
+        output.finish_reason, output.stop_reason = reason, stop_reason
         return self.scheduler.finish(seq, reason, stop_reason)
 
-    def _release(self, seq: Sequence, now: float) -> RequestOutput:
-        seq.metrics.finished_time = now
-        seq.metrics.finished_step = self.step_index
-        reason = seq.finish_reason or "abort"
-        self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
-        self._requests.pop(seq.request_id, None)
-        detokenizer = self._detokenizers.pop(seq.request_id)
-        completion = CompletionOutput(
-            index=0,
-            text=detokenizer.text,
-            token_ids=seq.output_token_ids,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs,
-        )
+    def _release(self, request: _Request, now: float) -> RequestOutput:
+        first = request.samples[0]
+        first.metrics.finished_time = now
+        first.metrics.finished_step = self.step_index
+        self._requests.pop(first.request_id)
+        completions = []
+        for seq in sorted(request.samples, key=lambda s: s.sample_index):
+            reason = seq.finish_reason or "abort"
+            self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
+            completions.append(
+                CompletionOutput(
+                    index=seq.sample_index,
+                    text=self._detokenizers.pop(seq).text,
+                    token_ids=seq.output_token_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=seq.logprobs,
+                )
+            )
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
             finished=True,
-            metrics=seq.metrics,
+            metrics=first.metrics,
         )
 
     # Validation.

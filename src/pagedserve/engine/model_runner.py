@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
 from pagedserve.model.checkpoint import load_model
@@ -61,24 +62,31 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
 
     @torch.inference_mode()
-    def run(self, entries: list[tuple[Sequence, int]]) -> list[Sampled]:
+    def run(self, batch: ScheduledBatch) -> list[Sampled]:
         """Computes every scheduled token; returns the new token (and logprobs when asked for) of
-        each sequence whose pending tokens are all computed by this step, in the order of
-        entries."""
+        each sequence whose pending tokens are all computed by this step, and of its new forks,
+        which sample from the same logits, in the order of the entries."""
+        if batch.block_copies:
+            sources, destinations = zip(*batch.block_copies, strict=True)
+            self.model.copy_blocks(
+                torch.tensor(sources, device=self.device),
+                torch.tensor(destinations, device=self.device),
+            )
         input_ids: list[int] = []
         query_lens, context_lens, block_tables = [], [], []
         sampling_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
-        for seq, num_new in entries:
+        for seq, num_new in batch.entries:
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + num_new])
             query_lens.append(num_new)
             context_lens.append(start + num_new)
             block_tables.append(seq.block_table)
             if start + num_new == seq.num_tokens:
-                sampling_rows.append(len(input_ids) - 1)
-                sampling_seqs.append(seq)
-        batch = AttentionBatch.build(
+                samplers = [seq, *batch.forks.get(seq, ())]
+                sampling_rows += [len(input_ids) - 1] * len(samplers)
+                sampling_seqs += samplers
+        attention = AttentionBatch.build(
             query_lens,
             context_lens,
             block_tables,
@@ -86,7 +94,7 @@ class ModelRunner:
             self.model_config.sliding_window,
             self.device,
         )
-        hidden = self.model(torch.tensor(input_ids, device=self.device), batch)
+        hidden = self.model(torch.tensor(input_ids, device=self.device), attention)
         if not sampling_seqs:
             return []
         rows = torch.tensor(sampling_rows, device=self.device)

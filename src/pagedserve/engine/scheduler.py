@@ -6,6 +6,11 @@ waiting sequences are admitted first come, first served, while seats, the token 
 blocks allow. When a running sequence's next tokens do not fit in the cache, the sequence admitted
 last is preempted: its blocks are freed and it waits at the head of the queue to be recomputed.
 
+A waiting sequence first takes the longest run of its leading blocks found in the prefix cache,
+and only the tokens after them are scheduled. A request for n samples runs as one sequence until
+its prompt is computed; in that step it is forked into n sequences that share its blocks and each
+sample their own first token from the prompt's logits. Its n seats are reserved on admission.
+
 The `static` policy is request-level batching, kept as the baseline: a batch is fixed when it
 forms, nothing joins it until every member has finished, and finished members are released
 together at the end.
@@ -24,6 +29,14 @@ from pagedserve.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences whose prompt this step completes -> their new sibling samples, which sample
+    # from the same logits row.
+    forks: dict[Sequence, list[Sequence]] = field(default_factory=dict)
+    # (source, destination) blocks to copy before the forward: copy on write of shared blocks.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Prefix cache lookups of the sequences admitted in this step, in tokens.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -49,7 +62,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Under `static`: the members of the batch in flight, and those finished but held back.
-        self._batch: set[str] = set()
+        self._batch: set[Sequence] = set()
         self._held: list[Sequence] = []
 
     @property
@@ -77,6 +90,8 @@ class Scheduler:
         # Admitting while the cache is short would only preempt someone again next step.
         if not batch.preempted:
             self._admit(batch, budget)
+        self._fork_completed_prompts(batch)
+        batch.block_copies = self.block_manager.take_pending_copies()
         return batch
 
     def finish(
@@ -97,7 +112,7 @@ class Scheduler:
         released_now = [seq] if reason == "abort" else []
         if reason != "abort":
             self._held.append(seq)
-        self._batch.discard(seq.request_id)
+        self._batch.discard(seq)
         if self._batch:
             return released_now
         released, self._held = self._held, []
@@ -125,21 +140,61 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         if self.static and not self._batch:
-            members = list(self.waiting)[: self.config.max_num_seqs]
-            self._batch = {seq.request_id for seq in members}
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            self._batch = set(self._next_static_batch())
+        seats = self._seats_taken()
+        bm = self.block_manager
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if self.static and seq.request_id not in self._batch:
+            if seats + self._seats(seq) > self.config.max_num_seqs:
                 break
-            num_new = seq.num_uncomputed_tokens
+            if self.static and seq not in self._batch:
+                break
+            prefix = bm.find_cached_prefix(seq)
+            num_new = seq.num_tokens - prefix.num_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.block_manager.allocate(seq, num_new):
+            if not bm.allocate(seq, num_new, prefix):
                 break
             self.waiting.popleft()
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
             batch.entries.append((seq, num_new))
+            if bm.enable_caching:
+                batch.prefix_queried_tokens += seq.num_tokens
+                batch.prefix_hit_tokens += prefix.num_tokens
             budget -= num_new
+            seats += self._seats(seq)
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        return 1 + seq.pending_forks
+
+    def _seats_taken(self) -> int:
+        return sum(self._seats(seq) for seq in self.running)
+
+    def _next_static_batch(self) -> list[Sequence]:
+        members, seats = [], 0
+        for seq in self.waiting:
+            seats += self._seats(seq)
+            if seats > self.config.max_num_seqs:
+                break
+            members.append(seq)
+        return members
+
+    def _fork_completed_prompts(self, batch: ScheduledBatch) -> None:
+        for seq, num_new in batch.entries:
+            if seq.pending_forks and seq.num_computed_tokens + num_new == seq.num_tokens:
+                batch.forks[seq] = [self._fork(seq, num_new, i) for i in range(1, seq.params.n)]
+                seq.pending_forks = 0
+
+    def _fork(self, seq: Sequence, num_new: int, sample_index: int) -> Sequence:
+        child = seq.fork(sample_index)
+        # The child's part of this step is done by its parent, whose blocks it shares.
+        child.num_computed_tokens += num_new
+        self.block_manager.share(child)
+        self.running.append(child)
+        if self.static:
+            self._batch.add(child)
+        return child

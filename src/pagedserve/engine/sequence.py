@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from pagedserve.outputs import RequestMetrics, SampleLogprobs
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.engine.block_manager import BlockKey
+
+_INT64_SPAN = 2**64
 
 
 class SequenceStatus(Enum):
@@ -28,6 +34,11 @@ class Sequence:
     # Tokens whose K and V are in the cache; the rest are computed by the next scheduled steps.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Prefix-cache keys of the full blocks at the head of block_table, once they are registered.
+    block_keys: list[BlockKey] = field(default_factory=list)
+    sample_index: int = 0  # which of the request's n samples this is
+    # Samples still to fork from this one once its prompt is computed (n - 1, then 0).
+    pending_forks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -62,3 +73,23 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def fork(self, sample_index: int) -> Sequence:
+        """Another sample of the same request, holding the same tokens and block table; the
+        caller takes the references on the blocks. Metrics are shared: they are per request."""
+        return replace(
+            self,
+            seed=sample_seed(self.seed, sample_index),
+            token_ids=list(self.token_ids),
+            block_table=list(self.block_table),
+            block_keys=list(self.block_keys),
+            sample_index=sample_index,
+            pending_forks=0,
+            logprobs=None,
+        )
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """Sample i of a seeded request draws with seed + i (wrapped to 64 bits): distinct from the
+    other samples, and the same on every run."""
+    return (seed + sample_index + _INT64_SPAN // 2) % _INT64_SPAN - _INT64_SPAN // 2

@@ -58,6 +58,13 @@ class DecoderModel(nn.Module):
         element_size = self.embed_tokens.element_size()
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
 
+    def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Copies whole KV blocks in every layer (copy on write of blocks shared by samples)."""
+        for layer in self.layers:
+            attention = layer.self_attn
+            attention.k_cache[destinations] = attention.k_cache[sources]
+            attention.v_cache[destinations] = attention.v_cache[sources]
+
     def attach_kv_cache(self, num_blocks: int, block_size: int) -> None:
         config = self.config
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)

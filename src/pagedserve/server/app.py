@@ -102,7 +102,7 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await _submit(state.engine, body.prompts(), params, body.n, request_id)
+        streams = await _submit(state.engine, body.prompts(), params, request_id)
         run = _Completion(state.model_name, request_id, body, len(streams))
         if body.stream:
             return _event_stream(run.chunks(streams))
@@ -114,7 +114,7 @@ def build_app(state: ServerState) -> FastAPI:
         params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
         prompt = {"prompt_token_ids": await asyncio.to_thread(_chat_tokens, state, body)}
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await _submit(state.engine, [prompt], params, body.n, request_id)
+        streams = await _submit(state.engine, [prompt], params, request_id)
         run = _ChatCompletion(state.model_name, request_id, body, len(streams))
         if body.stream:
             return _event_stream(run.chunks(streams))
@@ -174,21 +174,17 @@ def _chat_tokens(state: ServerState, body: ChatCompletionRequest) -> list[int]:
 
 
 async def _submit(
-    engine: AsyncLLMEngine, prompts: list, params: SamplingParams, n: int, request_id: str
+    engine: AsyncLLMEngine, prompts: list, params: SamplingParams, request_id: str
 ) -> list[AsyncIterator[StepOutput]]:
-    """Submits n samples of every prompt, or none of them if any is refused."""
+    """Submits every prompt, each an engine request for params.n samples that share its KV
+    blocks; or none of them if any is refused."""
     streams: list[AsyncIterator[StepOutput]] = []
     submitted: list[str] = []
     try:
         for prompt_index, prompt in enumerate(prompts):
-            for sample in range(n):
-                sample_params = params
-                if params.seed is not None and sample > 0:
-                    # Distinct but reproducible samples of one seeded request.
-                    sample_params = params.model_copy(update={"seed": params.seed + sample})
-                sub_id = f"{request_id}-{prompt_index}-{sample}"
-                streams.append(await engine.add_request(prompt, sample_params, sub_id))
-                submitted.append(sub_id)
+            sub_id = f"{request_id}-{prompt_index}"
+            streams.append(await engine.add_request(prompt, params, sub_id))
+            submitted.append(sub_id)
     except BaseException:
         for sub_id in submitted:
             engine.abort(sub_id)
@@ -199,7 +195,8 @@ async def _submit(
 async def _merge(
     streams: list[AsyncIterator[StepOutput]],
 ) -> AsyncIterator[tuple[int, StepOutput]]:
-    """Interleaves several requests' outputs as they come; closing it aborts the unfinished."""
+    """Interleaves several requests' outputs as they come, each with its request's position;
+    closing it aborts the unfinished."""
     if len(streams) == 1:
         async for output in streams[0]:
             yield 0, output
@@ -237,22 +234,31 @@ def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
 class _Completion:
     kind = "text_completion"
 
-    def __init__(self, model: str, request_id: str, body, num_choices: int):
+    def __init__(self, model: str, request_id: str, body, num_prompts: int):
         self.model, self.request_id, self.body = model, request_id, body
         self.created = responses.now_seconds()
-        self.choices = [Choice(i) for i in range(num_choices)]
+        # Choice prompt_index * n + sample, as OpenAI numbers them.
+        self.choices = [Choice(i) for i in range(num_prompts * body.n)]
+        self.prompt_lengths = [0] * num_prompts
 
     def _envelope(self) -> dict:
         return responses.envelope(self.request_id, self.kind, self.model, self.created)
 
     def prompt_tokens(self) -> int:
         # Each prompt counts once, however many samples were drawn from it.
-        n = self.body.n
-        return sum(len(c.final.prompt_token_ids) for c in self.choices[::n] if c.final)
+        return sum(self.prompt_lengths)
+
+    def _add(self, prompt_index: int, output: StepOutput) -> int:
+        """Records a piece; returns the index of the choice it belongs to."""
+        index = prompt_index * self.body.n + output.index
+        self.choices[index].add(output)
+        if output.final is not None:
+            self.prompt_lengths[prompt_index] = len(output.final.prompt_token_ids)
+        return index
 
     async def response(self, streams) -> dict:
-        async for index, output in _merge(streams):
-            self.choices[index].add(output)
+        async for prompt_index, output in _merge(streams):
+            self._add(prompt_index, output)
         return {
             **self._envelope(),
             "choices": [self._choice(c) for c in self.choices],
@@ -261,11 +267,11 @@ class _Completion:
 
     async def chunks(self, streams) -> AsyncIterator[str]:
         try:
-            async for index, output in _merge(streams):
-                choice = self.choices[index]
+            async for prompt_index, output in _merge(streams):
+                choice = self.choices[prompt_index * self.body.n + output.index]
                 text_offset = sum(len(t) for t in choice.text)
-                choice.add(output)
-                if output.new_text or output.finished or output.new_logprobs:
+                index = self._add(prompt_index, output)
+                if output.new_text or output.finish_reason or output.new_logprobs:
                     yield sse(
                         {**self._envelope(), "choices": [self._delta(output, index, text_offset)]}
                     )
@@ -304,9 +310,9 @@ class _ChatCompletion(_Completion):
                 delta = {"role": "assistant", "content": ""}
                 first = {"index": choice.index, "delta": delta, "logprobs": None}
                 yield sse({**envelope, "choices": [first | responses.finish_fields(choice)]})
-            async for index, output in _merge(streams):
-                self.choices[index].add(output)
-                if output.new_text or output.finished or output.new_logprobs:
+            async for prompt_index, output in _merge(streams):
+                index = self._add(prompt_index, output)
+                if output.new_text or output.finish_reason or output.new_logprobs:
                     yield sse({**envelope, "choices": [self._delta(output, index, 0)]})
             if self.body.include_usage:
                 usage = responses.usage(self.choices, self.prompt_tokens())

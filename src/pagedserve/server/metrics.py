@@ -52,6 +52,13 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests holding a seat in the batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for a seat.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.shared_blocks = gauge(
+            "kv_cache_shared_blocks", "KV cache blocks held by more than one sequence."
+        )
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("prefix_cache_hits", "Of those, tokens found in the cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Requests preempted for recompute.")
@@ -62,8 +69,10 @@ class ServerMetrics:
             registry=registry,
         )
         self.model_name = model_name
-        self._last_token_time: dict[str, float] = {}
-        self._seen = {"prompt": 0, "generation": 0, "preemptions": 0}
+        self._last_token_time: dict[tuple[str, int], float] = {}  # by (request id, sample)
+        self._seen = dict.fromkeys(
+            ("prompt", "generation", "preemptions", "prefix_queries", "prefix_hits"), 0
+        )
         self._log = _ThroughputLog(log_interval)
 
     def observe(self, engine: LLMEngine, outputs: list[StepOutput]) -> None:
@@ -71,9 +80,9 @@ class ServerMetrics:
         self._observe_tokens(outputs, now)
         if not outputs:  # commands were applied: forget requests that were aborted
             self._last_token_time = {
-                request_id: seen
-                for request_id, seen in self._last_token_time.items()
-                if engine.has_request(request_id)
+                key: seen
+                for key, seen in self._last_token_time.items()
+                if engine.has_request(key[0])
             }
         for output in outputs:
             if output.final is not None:
@@ -83,13 +92,14 @@ class ServerMetrics:
 
     def _observe_tokens(self, outputs: list[StepOutput], now: float) -> None:
         for output in outputs:
-            previous = self._last_token_time.get(output.request_id)
+            key = (output.request_id, output.index)
+            previous = self._last_token_time.get(key)
             if output.new_token_ids and previous is not None:
                 self.itl.observe((now - previous) / len(output.new_token_ids))
             if output.new_token_ids:
-                self._last_token_time[output.request_id] = now
-            if output.final is not None:
-                self._last_token_time.pop(output.request_id, None)
+                self._last_token_time[key] = now
+            if output.finish_reason is not None:
+                self._last_token_time.pop(key, None)
 
     def _observe_finished(self, result: RequestOutput) -> None:
         m = result.metrics
@@ -111,10 +121,13 @@ class ServerMetrics:
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
         self.kv_usage.set(engine.block_manager.usage)
+        self.shared_blocks.set(engine.block_manager.num_shared_blocks)
         stats = engine.stats
         self._add(self.prompt_tokens, "prompt", stats.num_prompt_tokens)
         self._add(self.generation_tokens, "generation", stats.num_generation_tokens)
         self._add(self.preemptions, "preemptions", scheduler.num_preemptions)
+        self._add(self.prefix_queries, "prefix_queries", stats.prefix_cache_queries)
+        self._add(self.prefix_hits, "prefix_hits", stats.prefix_cache_hits)
 
     def _add(self, counter: Counter, key: str, total: int) -> None:
         # Counters only go up, so each observation adds what the engine counted since the last.
@@ -139,15 +152,18 @@ class _ThroughputLog:
         prompt_rate = (stats.num_prompt_tokens - self._last_prompt) / elapsed
         generation_rate = (stats.num_generation_tokens - self._last_generation) / elapsed
         if scheduler.running or scheduler.waiting or generation_rate > 0:
+            hit_rate = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
             logger.info(
                 "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
-                "running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, preemptions: %d",
+                "running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, preemptions: %d, "
+                "prefix cache hit rate: %.1f%%",
                 prompt_rate,
                 generation_rate,
                 len(scheduler.running),
                 len(scheduler.waiting),
                 100 * engine.block_manager.usage,
                 scheduler.num_preemptions,
+                100 * hit_rate,
             )
         self._last_time = now
         self._last_prompt = stats.num_prompt_tokens

@@ -42,6 +42,7 @@ class _GenerationRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         fields: dict[str, Any] = {
+            "n": self.n,
             "max_tokens": max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -6,25 +6,28 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.outputs import Logprob, RequestOutput, StepOutput
+from pagedserve.outputs import Logprob, StepOutput
 
 TokenLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
 class Choice:
-    """One output being built: its streamed text so far and, once finished, its result."""
+    """One output (one sample of one prompt) being built from its streamed pieces."""
 
     index: int
     text: list[str] = field(default_factory=list)
     logprobs: TokenLogprobs = field(default_factory=list)
-    final: RequestOutput | None = None
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def add(self, output: StepOutput) -> None:
         self.text.append(output.new_text)
         self.logprobs.extend(output.new_logprobs or [])
-        if output.final is not None:
-            self.final = output.final
+        self.num_tokens += len(output.new_token_ids)
+        if output.finish_reason is not None:
+            self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
 
 
 def sse(payload: dict | str) -> str:
@@ -33,7 +36,7 @@ def sse(payload: dict | str) -> str:
 
 
 def usage(choices: list[Choice], prompt_tokens: int) -> dict:
-    completion_tokens = sum(len(c.final.outputs[0].token_ids) for c in choices if c.final)
+    completion_tokens = sum(c.num_tokens for c in choices)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -42,11 +45,7 @@ def usage(choices: list[Choice], prompt_tokens: int) -> dict:
 
 
 def finish_fields(output: StepOutput | Choice) -> dict:
-    final = output.final
-    if final is None:
-        return {"finish_reason": None, "stop_reason": None}
-    completion = final.outputs[0]
-    return {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+    return {"finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
 
 
 def envelope(request_id: str, kind: str, model: str, created: int) -> dict:

@@ -1,0 +1,140 @@
+"""What prefix caching buys: requests sharing a long system prompt, with the cache on and off.
+
+32 requests share a 512-token system prompt and differ in a 32-token suffix; each generates 64
+tokens (greedy, end-of-sequence ignored) and all arrive at once. Both runs go in-process through
+`LLMEngine` with the same settings but `enable_prefix_caching`, one after the other in one
+process, so the figures compare like with like.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+
+import numpy as np
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+NUM_REQUESTS = 32
+SYSTEM_PROMPT_TOKENS = 512
+SUFFIX_TOKENS = 32
+OUTPUT_TOKENS = 64
+
+
+def build_prompts(engine: LLMEngine, seed: int = 0) -> list[list[int]]:
+    """The workload's prompts as token ids: ordinary tokens drawn at random, one shared system
+    prompt, then a distinct suffix per request."""
+    special = set(engine.tokenizer.all_special_ids)
+    ordinary = [t for t in range(min(engine.vocab_size, len(engine.tokenizer))) if t not in special]
+    rng = random.Random(seed)
+    system = rng.choices(ordinary, k=SYSTEM_PROMPT_TOKENS)
+    return [system + rng.choices(ordinary, k=SUFFIX_TOKENS) for _ in range(NUM_REQUESTS)]
+
+
+def run_prefix_caching_benchmark(model: str | None = None, dtype: str = "auto") -> dict:
+    """Runs the workload with caching on, then off; returns the settings and, per run ("on",
+    "off"), TTFT p50/p99 in seconds, output tokens/s, peak KV blocks in use and more."""
+    results: dict = {
+        "workload": {
+            "num_requests": NUM_REQUESTS,
+            "system_prompt_tokens": SYSTEM_PROMPT_TOKENS,
+            "suffix_tokens": SUFFIX_TOKENS,
+            "output_tokens": OUTPUT_TOKENS,
+        },
+        "runs": {},
+    }
+    prompts: list[list[int]] | None = None
+    for caching in (True, False):
+        engine = LLMEngine(EngineConfig(model=model, dtype=dtype, enable_prefix_caching=caching))
+        prompts = prompts or build_prompts(engine)
+        results["engine"] = {
+            "model": engine.model_dir.name,
+            "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "device": str(engine.runner.device),
+            "num_kv_blocks": engine.block_manager.num_blocks,
+            "block_size": engine.block_manager.block_size,
+        }
+        results["runs"]["on" if caching else "off"] = _measure(engine, prompts)
+        del engine  # its KV cache goes before the next one is allocated
+        gc.collect()
+    return results
+
+
+def _measure(engine: LLMEngine, prompts: list[list[int]]) -> dict:
+    _warm_up(engine)
+    stats, bm = engine.stats, engine.block_manager
+    queries, hits, steps = stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_steps
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    seqs = [engine.make_sequence({"prompt_token_ids": p}, params) for p in prompts]
+    started = time.monotonic()
+    for seq in seqs:
+        engine.submit(seq)
+    results: list[RequestOutput] = []
+    peak_blocks = 0
+    while engine.has_unfinished_requests():
+        results += [out.final for out in engine.step() if out.final is not None]
+        peak_blocks = max(peak_blocks, bm.num_blocks - bm.num_free_blocks)
+    duration = time.monotonic() - started
+    ttft = [r.metrics.first_token_time - r.metrics.arrival_time for r in results]
+    queried = stats.prefix_cache_queries - queries
+    return {
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "output_tokens_per_s": sum(len(r.outputs[0].token_ids) for r in results) / duration,
+        "peak_kv_blocks": peak_blocks,
+        "prefix_cache_hit_rate": (stats.prefix_cache_hits - hits) / queried if queried else None,
+        "duration_s": duration,
+        "num_steps": stats.num_steps - steps,
+        "num_preemptions": engine.scheduler.num_preemptions,
+    }
+
+
+def _warm_up(engine: LLMEngine) -> None:
+    """One short request first, so that one-time costs of the first forward count in neither."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": list(range(100, 164))}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def format_markdown(results: dict) -> str:
+    """A BENCHMARKS.md section for what run_prefix_caching_benchmark returned."""
+    workload, setup, runs = results["workload"], results["engine"], results["runs"]
+    lines = [
+        "## Prefix caching",
+        "",
+        f"{workload['num_requests']} requests share a {workload['system_prompt_tokens']}-token "
+        f"system prompt and differ in a {workload['suffix_tokens']}-token suffix; "
+        f"{workload['output_tokens']} output tokens each (greedy, end-of-sequence ignored), all "
+        "arriving at once. In-process through `LLMEngine`, the same settings with prefix caching "
+        f"on and then off: {setup['model']}, {setup['dtype']} on {setup['device']}, a KV cache "
+        f"of {setup['num_kv_blocks']} blocks of {setup['block_size']} tokens. Peak KV blocks: "
+        "the most blocks held by requests after any step.",
+        "",
+        "| prefix caching | TTFT p50 | TTFT p99 | output tokens/s | peak KV blocks | "
+        "hit rate | duration |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, run in runs.items():
+        rate = run["prefix_cache_hit_rate"]
+        lines.append(
+            f"| {name} | {_seconds(run['ttft_p50_s'])} | {_seconds(run['ttft_p99_s'])} | "
+            f"{run['output_tokens_per_s']:.1f} | {run['peak_kv_blocks']} | "
+            f"{'-' if rate is None else f'{100 * rate:.1f}%'} | {_seconds(run['duration_s'])} |"
+        )
+    on, off = runs["on"], runs["off"]
+    lines += [
+        "",
+        f"With caching on: TTFT p50 {off['ttft_p50_s'] / on['ttft_p50_s']:.1f}x lower, "
+        f"{off['peak_kv_blocks'] / on['peak_kv_blocks']:.1f}x fewer peak KV blocks, "
+        f"{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}x the output tokens/s.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _seconds(value: float) -> str:
+    return f"{1000 * value:.0f} ms" if value < 1 else f"{value:.2f} s"
