@@ -1,10 +1,10 @@
 """Paged attention: new keys and values go into cache slots, old ones are read through block tables.
 
-A step's tokens (prefill chunks and single decode tokens alike) are attended in at most two batched
-calls per layer, one for the sequences decoding one token and one for those computing a prompt
-chunk, so a long chunk never pads every decode to its length. Within a call the packed queries are
-scattered into a [sequences, longest query] grid, each sequence's keys and values are gathered from
-its blocks, and a mask enforces causality, each sequence's own length and the sliding window.
+A step's tokens (prefill chunks and single decode tokens alike) are attended in a few batched calls
+per layer, one per group of sequences with similar query lengths, so a long chunk never pads every
+decode or short chunk to its length. Within a call the packed queries are scattered into a
+[sequences, longest query] grid, each sequence's keys and values are gathered from its blocks, and
+a mask enforces causality, each sequence's own length and the sliding window.
 """
 
 from __future__ import annotations
@@ -105,15 +105,19 @@ class AttentionBatch:
                 token_index,
             )
 
-        decode_rows = [row for row, n in enumerate(query_lens) if n == 1]
-        chunk_rows = [row for row, n in enumerate(query_lens) if n > 1]
-        if not decode_rows or not chunk_rows:
+        # Sequences are grouped by query length in powers of two, so padding at most doubles a
+        # group's query grid (and single-token decodes are never padded at all).
+        buckets = [(n - 1).bit_length() for n in query_lens]
+        rows_by_bucket: dict[int, list[int]] = {}
+        for row, bucket in enumerate(buckets):
+            rows_by_bucket.setdefault(bucket, []).append(row)
+        if len(rows_by_bucket) == 1:
             groups = [group(list(range(num_seqs)), None)]
         else:
-            is_chunk = q_lens[seq_of_token] > 1
+            bucket_of_token = torch.tensor(buckets, device=device)[seq_of_token]
             groups = [
-                group(decode_rows, query_starts[torch.tensor(decode_rows, device=device)]),
-                group(chunk_rows, torch.nonzero(is_chunk).squeeze(1)),
+                group(rows, torch.nonzero(bucket_of_token == bucket).squeeze(1))
+                for bucket, rows in rows_by_bucket.items()
             ]
         return cls(positions, slot_mapping, groups)
 
