@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pagedserve import LLM, SamplingParams
@@ -132,3 +134,15 @@ def test_abort_under_static_releases_the_rest_of_the_batch(tiny_checkpoint):
     assert list(finished) == [kept]
     assert len(finished[kept].outputs[0].token_ids) == 6
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_step_timers_cover_every_phase(llm):
+    timer = llm.engine.phase_timer
+    before = dict(timer.seconds)
+    started = time.perf_counter()
+    llm.generate([PROMPT, *OTHER_PROMPTS], SamplingParams(max_tokens=6))
+    elapsed = time.perf_counter() - started
+    spent = {phase: timer.seconds[phase] - before.get(phase, 0.0) for phase in timer.seconds}
+    assert set(spent) == {"schedule", "prepare", "forward", "sample", "output"}
+    assert all(seconds > 0 for seconds in spent.values())
+    assert sum(spent.values()) <= elapsed

@@ -264,6 +264,7 @@ def test_metrics_count_what_was_served(server, client):
     assert finished - finished_before == 1
     assert _metric(base, "pagedserve:time_to_first_token_seconds_sum") > 0
     text = httpx.get(f"{base}/metrics").text
+    assert _metric(base, "pagedserve:step_phase_seconds_total", 'phase="forward"') > 0
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                   "num_preemptions_total"):  # fmt: skip
         assert f"pagedserve:{gauge}" in text

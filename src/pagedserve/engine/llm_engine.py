@@ -29,6 +29,7 @@ from pagedserve.outputs import (
     StepOutput,
 )
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.timing import PhaseTimer
 
 logger = logging.getLogger(__name__)
 PromptInput = str | list[int] | dict
@@ -90,6 +91,8 @@ class LLMEngine:
             self.block_manager,
         )
         self.stats = EngineStats()
+        # The engine's own step profile: seconds per phase, summed over every step.
+        self.phase_timer = PhaseTimer(self.runner.device)
         runner = self.runner
         logger.info(
             "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks of %d tokens = %d tokens, "
@@ -211,7 +214,10 @@ class LLMEngine:
         result on the last of its pieces."""
         outputs: dict[tuple[str, int], StepOutput] = {}
         released, self._released_outside_step = self._released_outside_step, []
+        timer = self.phase_timer
+        timer.start()
         scheduled = self.scheduler.schedule()
+        timer.lap("schedule")
         self.stats.prefix_cache_queries += scheduled.prefix_queried_tokens
         self.stats.prefix_cache_hits += scheduled.prefix_hit_tokens
         if scheduled:
@@ -220,7 +226,7 @@ class LLMEngine:
                 if seq.metrics.first_scheduled_time is None:
                     seq.metrics.first_scheduled_time = started
             self._adopt_forks(scheduled.forks)
-            sampled = self.runner.run(scheduled)
+            sampled = self.runner.run(scheduled, timer)
             for seq, num_new in scheduled.entries:
                 seq.num_computed_tokens += num_new
             now = time.monotonic()
@@ -235,6 +241,7 @@ class LLMEngine:
         for seq in released:
             self._release_sample(seq, outputs, now)
         self.step_index += 1
+        timer.lap("output")
         return list(outputs.values())
 
     def _adopt_forks(self, forks: dict[Sequence, list[Sequence]]) -> None:

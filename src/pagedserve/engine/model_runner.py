@@ -20,6 +20,7 @@ from pagedserve.model.sampler import (
     sample,
 )
 from pagedserve.outputs import Logprob, SampleLogprobs
+from pagedserve.timing import PhaseTimer
 
 
 class Sampled(NamedTuple):
@@ -62,7 +63,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[Sampled]:
+    def run(self, batch: ScheduledBatch, timer: PhaseTimer) -> list[Sampled]:
         """Computes every scheduled token; returns the new token (and logprobs when asked for) of
         each sequence whose pending tokens are all computed by this step, and of its new forks,
         which sample from the same logits, in the order of the entries."""
@@ -94,12 +95,18 @@ class ModelRunner:
             self.model_config.sliding_window,
             self.device,
         )
-        hidden = self.model(torch.tensor(input_ids, device=self.device), attention)
+        input_tensor = torch.tensor(input_ids, device=self.device)
+        timer.lap("prepare")
+        hidden = self.model(input_tensor, attention)
         if not sampling_seqs:
+            timer.lap("forward")
             return []
         rows = torch.tensor(sampling_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        return self._sample(logits, sampling_seqs)
+        timer.lap("forward")
+        sampled = self._sample(logits, sampling_seqs)
+        timer.lap("sample")
+        return sampled
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
         batch = self._sampling_batch(seqs)

@@ -11,6 +11,7 @@ and no per-request generator has to be stepped in a Python loop.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -171,12 +172,37 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
+    """_mix32 on int32 tensors, bit for bit: AVX2 multiplies 32-bit lanes natively but has no
+    64-bit multiply, so the [rows, vocab] hashing runs several times faster here. The masks turn
+    the arithmetic shifts of signed values into logical ones."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _as_int32(0x85EBCA6B)
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * _as_int32(0xC2B2AE35)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _as_int32(value: int) -> int:
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 holding 32-bit values -> int32 with the same bits."""
+    return ((x ^ 0x80000000) - 0x80000000).to(torch.int32)
+
+
+@functools.cache
+def _token_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    tokens = torch.arange(vocab, device=device)
+    return _to_int32(_mix32(tokens * _GOLDEN32 & _MASK32))
+
+
 def _hashed_uniform(seeds: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
     """A uniform draw in (0, 1) for every (row, token), a pure function of seed and position."""
     low, high = seeds & _MASK32, (seeds >> 32) & _MASK32
     row_key = _mix32(low ^ _mix32(high))
-    row_key = _mix32((row_key + output_index * _GOLDEN32) & _MASK32)
-    token_key = _mix32(torch.arange(vocab, device=seeds.device) * _GOLDEN32 & _MASK32)
-    bits = _mix32((row_key[:, None] ^ token_key[None, :]) & _MASK32)
+    row_key = _to_int32(_mix32((row_key + output_index * _GOLDEN32) & _MASK32))
+    bits = _mix32_int32(row_key[:, None] ^ _token_keys(vocab, seeds.device)[None, :])
     # 23 bits keep (bits + 0.5) / 2**23 exactly representable and strictly inside (0, 1).
-    return ((bits >> 9).float() + 0.5) / float(1 << 23)
+    return (((bits >> 9) & 0x7FFFFF).float() + 0.5) / float(1 << 23)

@@ -70,6 +70,13 @@ class ServerMetrics:
         )
         self.model_name = model_name
         self._last_token_time: dict[tuple[str, int], float] = {}  # by (request id, sample)
+        self.step_phases = Counter(
+            _PREFIX + "step_phase_seconds",
+            "Engine step time by phase (schedule, prepare, forward, sample, output), synchronized.",
+            ["model_name", "phase"],
+            registry=registry,
+        )
+        self._seen_phases: dict[str, float] = {}
         self._seen = dict.fromkeys(
             ("prompt", "generation", "preemptions", "prefix_queries", "prefix_hits"), 0
         )
@@ -88,6 +95,7 @@ class ServerMetrics:
             if output.final is not None:
                 self._observe_finished(output.final)
         self._observe_engine(engine)
+        self._observe_phases(engine)
         self._log.maybe_log(engine, now)
 
     def _observe_tokens(self, outputs: list[StepOutput], now: float) -> None:
@@ -128,6 +136,13 @@ class ServerMetrics:
         self._add(self.preemptions, "preemptions", scheduler.num_preemptions)
         self._add(self.prefix_queries, "prefix_queries", stats.prefix_cache_queries)
         self._add(self.prefix_hits, "prefix_hits", stats.prefix_cache_hits)
+
+    def _observe_phases(self, engine: LLMEngine) -> None:
+        for phase, total in engine.phase_timer.seconds.items():
+            self.step_phases.labels(self.model_name, phase).inc(
+                total - self._seen_phases.get(phase, 0.0)
+            )
+            self._seen_phases[phase] = total
 
     def _add(self, counter: Counter, key: str, total: int) -> None:
         # Counters only go up, so each observation adds what the engine counted since the last.
