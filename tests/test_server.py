@@ -156,6 +156,20 @@ def test_disconnect_aborts_and_frees_every_block(server):
     assert (usage, running) == (0, 0)
 
 
+def test_non_streamed_request_is_aborted_when_its_client_leaves(server):
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 900, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=1.5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if _metric(server.base_url, "pagedserve:kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.1)
+    assert _metric(server.base_url, "pagedserve:kv_cache_usage_perc") == 0
+    assert _metric(server.base_url, "pagedserve:num_requests_running") == 0
+
+
 BAD_REQUESTS = [
     ({"temperature": -1}, 400, "temperature"),
     ({"temperature": "hot"}, 400, "temperature"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
@@ -98,7 +98,7 @@ def build_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -106,10 +106,10 @@ def build_app(state: ServerState) -> FastAPI:
         run = _Completion(state.model_name, request_id, body, len(streams))
         if body.stream:
             return _event_stream(run.chunks(streams))
-        return await run.response(streams)
+        return await _unless_disconnected(request, run.response(streams))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
         params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
         prompt = {"prompt_token_ids": await asyncio.to_thread(_chat_tokens, state, body)}
@@ -118,7 +118,7 @@ def build_app(state: ServerState) -> FastAPI:
         run = _ChatCompletion(state.model_name, request_id, body, len(streams))
         if body.stream:
             return _event_stream(run.chunks(streams))
-        return await run.response(streams)
+        return await _unless_disconnected(request, run.response(streams))
 
     return app
 
@@ -225,6 +225,25 @@ async def _merge(
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | Response:
+    """Awaits a whole (non-streamed) response, but cancels it, which aborts its requests and
+    frees their blocks, as soon as the client goes away."""
+    job = asyncio.ensure_future(work)
+
+    async def client_gone() -> None:
+        # The body has been read, so the next message can only be the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(client_gone())
+    done, _ = await asyncio.wait({job, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if job in done:
+        return job.result()
+    job.cancel()
+    return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
 
 
 def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
