@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, measurement and their report sections."""
