@@ -1,0 +1,76 @@
+"""What the engine holds after every step of a run: who is seated and how much KV cache is used.
+
+The recorder wraps the engine's step for the length of a `with` block, so the run being traced is
+LLM.generate itself, unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import StepOutput
+
+
+@dataclass
+class StepRecord:
+    step: int
+    time: float  # time.monotonic() after the step, the clock of the engine's request metrics
+    running: list[str]  # request ids seated once the step is done
+    produced: list[str]  # request ids that got a token from this step (finished ones included)
+    released: list[str]  # request ids whose results were handed back by this step
+    kv_blocks_used: int
+    # Tokens a contiguous allocator reserving prompt + max_tokens would hold for the seated.
+    reserved_tokens: int
+
+
+@dataclass
+class KvLayout:
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> KvLayout:
+        return cls(
+            bytes_per_token=engine.runner.model.kv_cache_bytes_per_token(),
+            block_size=engine.block_manager.block_size,
+            num_blocks=engine.block_manager.num_blocks,
+            max_model_len=engine.max_model_len,
+        )
+
+
+@dataclass
+class StepRecorder:
+    engine: LLMEngine
+    records: list[StepRecord] = field(default_factory=list)
+    started: float = 0.0  # time.monotonic() when the block was entered
+
+    def __enter__(self) -> StepRecorder:
+        self.started = time.monotonic()
+        self._step = self.engine.step
+        self.engine.step = self._recorded_step  # an instance attribute shadows the method
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        del self.engine.step
+
+    def _recorded_step(self) -> list[StepOutput]:
+        step_index = self.engine.step_index
+        outputs = self._step()
+        running = self.engine.scheduler.running
+        manager = self.engine.block_manager
+        self.records.append(
+            StepRecord(
+                step=step_index,
+                time=time.monotonic(),
+                running=[seq.request_id for seq in running],
+                produced=[out.request_id for out in outputs if out.new_token_ids],
+                released=[out.request_id for out in outputs if out.final is not None],
+                kv_blocks_used=manager.num_blocks - manager.num_free_blocks,
+                reserved_tokens=sum(seq.num_prompt_tokens + seq.max_tokens for seq in running),
+            )
+        )
+        return outputs
