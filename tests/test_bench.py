@@ -292,6 +292,9 @@ def test_offline_runs_credit_each_request_its_own_tokens(checkpoint, tmp_path):
     assert max(len(record.running) for record in ours.steps) == 2
     assert ours.steps[-1].kv_blocks_used == 0
     assert sum(len(record.released) for record in ours.steps) == 5
+    assert sum(record.first_tokens for record in ours.steps) == 5
+    steps = ours.summary()["steps"]
+    assert steps["steps"] == len(ours.steps) >= steps["prefill_steps"] + steps["decode_steps"]
     for path in (
         policies_plot([ours, baseline], tmp_path / "p.png"),
         kv_usage_plot([ours], tmp_path / "kv.png"),

@@ -48,7 +48,7 @@ def add_bench_parser(commands, add_engine_args: AddArgs) -> None:
     sweep = kinds.add_parser("sweep", help="throughput against latency as max_num_seqs grows")
     sweep.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128")
     sweep.add_argument("--prompt-len", type=int, default=16)
-    sweep.add_argument("--output-len", type=int, default=32)
+    sweep.add_argument("--output-len", type=int, default=16)
     sweep.add_argument("--plot", type=Path, default=Path("sweep.png"))
     add_engine_args(sweep)
     _add_slo_arg(sweep, default="tpot=200")
@@ -72,7 +72,7 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-len", type=parse_range, default=(8, 256), help="MIN:MAX or N")
     group.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: common part")
     group.add_argument("--dataset-seed", type=int, default=0)
-    group.add_argument("--tokenizer", default=None, help="tokenizer dir (default: SmolLM2's)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model's)")
 
 
 def _add_slo_arg(parser: argparse.ArgumentParser, default: str = "") -> None:
@@ -99,13 +99,20 @@ def _dataset_spec(args: argparse.Namespace) -> DatasetSpec:
     )
 
 
-def _requests(args: argparse.Namespace, need_tokenizer: bool):
+def _requests(args: argparse.Namespace, need_tokenizer: bool, model: str | None = None):
+    """The dataset's requests, and the tokenizer when one was needed: --tokenizer, else the
+    tokenizer of model (a checkpoint or .gguf), else SmolLM2's."""
     from pagedserve.bench.datasets import build_requests, load_tokenizer
 
     spec = _dataset_spec(args)
     tokenizer = None
     if need_tokenizer or spec.name != "w1":
-        tokenizer = load_tokenizer(args.tokenizer)
+        path = args.tokenizer
+        if path is None and model is not None:
+            from pagedserve.model.source import resolve_model_dir
+
+            path = resolve_model_dir(model)
+        tokenizer = load_tokenizer(path)
     return build_requests(spec, tokenizer), tokenizer
 
 
@@ -144,7 +151,7 @@ def _throughput(args: argparse.Namespace) -> None:
     from pagedserve.bench.throughput import run_throughput
     from pagedserve.cli import engine_config
 
-    requests, _ = _requests(args, need_tokenizer=False)
+    requests, _ = _requests(args, need_tokenizer=False, model=args.model)
     runs = [
         run.summary() for run in run_throughput(vars(engine_config(args)), requests, args.baseline)
     ]

@@ -16,7 +16,7 @@ import torch
 from pagedserve.bench.ceilings import ModelCost, model_cost
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.bench.metrics import distribution_ms
-from pagedserve.bench.trace import KvLayout, StepRecord, StepRecorder
+from pagedserve.bench.trace import KvLayout, StepRecord, StepRecorder, step_summary
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.llm import LLM
 from pagedserve.outputs import RequestOutput
@@ -75,6 +75,7 @@ class OfflineRun:
             "e2e_ms": distribution_ms(self.e2e_s),
             "ttft_ms": None if self.ttft_s is None else distribution_ms(self.ttft_s),
             "tpot_ms": None if self.tpot_s is None else distribution_ms(self.tpot_s),
+            "steps": step_summary(self.steps) if self.steps else None,
         }
 
 

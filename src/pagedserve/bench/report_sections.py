@@ -141,15 +141,20 @@ def _dtype_note(context: Context, flops: dict[str, float]) -> str:
 
 
 def _threads_note(c: Ceilings) -> str:
+    note = (
+        f"This run uses {c.threads} torch thread(s); `make bench` uses one unless told "
+        "`BENCH_THREADS=2`. On this shared machine a parallel operation waits for whichever of "
+        "its threads the OS has set aside for another process: while other developers' tests "
+        "ran, a decode step of SmolLM2 at batch 32 was seen taking 3.6 times longer on two threads "
+        "than on one (and 17 times longer for a tiny test model, whose steps are all small "
+        "operations)."
+    )
     if len(c.small_product_us) < 2:
-        return f"Measured with {c.threads} torch thread(s)."
-    times = ", ".join(f"{us:.0f} us with {n}" for n, us in c.small_product_us.items())
+        return note
+    times = ", ".join(f"{us:.0f} us on {n}" for n, us in c.small_product_us.items())
     return (
-        f"This run uses {c.threads} torch thread(s). A decode-sized product ([8, 576] x "
-        f"[576, 1536]) took on average {times} thread(s) here: when other processes keep a core "
-        "busy, every parallel operation waits for whichever of its threads the OS has set "
-        "aside, so on this shared machine one thread is often faster than two. `make bench "
-        "BENCH_THREADS=2` measures with both."
+        f"{note} At the start of this run a decode-sized product ([8, 576] x [576, 1536]) took "
+        f"on average {times} thread(s)."
     )
 
 
@@ -211,7 +216,38 @@ def w1_policies(context: Context, runs: list[OfflineRun]) -> str:
         f"batching. E2E p50: {_e2e(ours, 'p50')} against {_e2e(static, 'p50')}; p99: "
         f"{_e2e(ours, 'p99')} against {_e2e(static, 'p99')}.",
         context.image("w1_policies.png", "Throughput and E2E latency distribution on W1"),
+        "Where the time went, from the step trace: a prefill step is one in which some "
+        "request's prompt was computed (under continuous batching, alongside the others' "
+        "decodes); a decode step computes one token per seated request.",
+        _steps_table([ours, static]),
     )
+
+
+def _steps_table(summaries: list[dict]) -> str:
+    header = [
+        "run",
+        "steps",
+        "prefill steps",
+        "mean prefill step (s)",
+        "decode steps",
+        "mean decode step (s)",
+        "time in prefill steps (s)",
+    ]
+    rows = []
+    for s in summaries:
+        steps = s["steps"]
+        rows.append(
+            [
+                s["name"],
+                steps["steps"],
+                steps["prefill_steps"],
+                steps["prefill_step_mean_s"],
+                steps["decode_steps"],
+                steps["decode_step_mean_s"],
+                steps["seconds_in_prefill_steps"],
+            ]
+        )
+    return markdown_table(header, rows)
 
 
 def transformers_baseline(context: Context, runs: list[OfflineRun]) -> str:

@@ -30,7 +30,7 @@ def run_sweep(
     engine_args: dict,
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
     prompt_len: int = 16,
-    output_len: int = 32,
+    output_len: int = 16,
 ) -> list[dict]:
     """One summary (see OfflineRun.summary) per batch size."""
     points = []
