@@ -3,6 +3,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 TORCH_SPEC ?= torch==2.13.0
+# One torch thread by default: on the shared 2-core development machine, two threads wait on each
+# other whenever another process holds a core (see BENCHMARKS.md). `make bench BENCH_THREADS=2`.
+BENCH_THREADS ?= 1
 
 .PHONY: setup test lint serve bench clean
 
@@ -22,6 +25,10 @@ test: setup
 
 serve: setup
 	$(BIN)/pagedserve serve $(ARGS)
+
+# Runs every benchmark and rewrites BENCHMARKS.md and docs/bench/ (under 20 minutes on 2 cores).
+bench: setup
+	$(BIN)/pagedserve bench report --threads $(BENCH_THREADS)
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -1,4 +1,4 @@
-"""The `pagedserve` command: generate, chat (and later serve and bench)."""
+"""The `pagedserve` command: generate, chat, serve and bench."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 from dataclasses import fields
 
+from pagedserve.bench.cli import add_bench_parser
 from pagedserve.config import DTYPES, SCHEDULER_POLICIES, EngineConfig
 
 
@@ -141,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_serve)
+
+    add_bench_parser(commands, add_engine_args)
     return parser
 
 

@@ -1,0 +1,132 @@
+"""What the hardware allows: matmul FLOP/s, memory bandwidth, and the tokens/s they imply.
+
+A decode step reads every weight once and does about 2 FLOPs per weight per token, so tokens/s is
+bounded by compute (FLOP/s / FLOPs per token) and, for a batch of b, by bandwidth
+(b * bytes/s / weight bytes). Attention over the context is left out: at these lengths it is a
+few percent of the work.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedserve.timing import Stopwatch
+
+
+@dataclass
+class Ceilings:
+    matmul_gflops: dict[str, float]  # by dtype name
+    bandwidth_gbs: float  # bytes read per second, in 1e9
+    threads: int  # torch's intra-op threads while these were measured
+    # Mean microseconds of a decode-sized product, by thread count (CPU only).
+    small_product_us: dict[int, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ModelCost:
+    weight_bytes: int  # read once per decode step
+    flops_per_token: float
+
+    def ideal_tokens_per_s(self, ceilings: Ceilings, dtype: str, batch: int) -> float:
+        compute = 1e9 * ceilings.matmul_gflops[dtype] / self.flops_per_token
+        memory = batch * 1e9 * ceilings.bandwidth_gbs / self.weight_bytes
+        return min(compute, memory)
+
+
+def _best_seconds(
+    work, device: torch.device, budget_s: float = 2.0, max_repeats: int = 10
+) -> float:
+    """The fastest of repeated runs (at least two, then until budget_s is spent): on a shared
+    machine the fastest run is the one least disturbed by others."""
+    work()  # the first call pays for allocation and kernel selection
+    times: list[float] = []
+    while len(times) < 2 or (sum(times) < budget_s and len(times) < max_repeats):
+        with Stopwatch(device) as watch:
+            work()
+        times.append(watch.seconds)
+    return min(times)
+
+
+def matmul_gflops(dtype: torch.dtype, device: torch.device, size: int = 1024) -> float:
+    """The best of several square float matmuls: the most a large batch's products could get."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    seconds = _best_seconds(lambda: torch.mm(a, b), device)
+    return 2 * size**3 / seconds / 1e9
+
+
+def bandwidth_gbs(device: torch.device, num_bytes: int = 256 * 2**20) -> float:
+    """Reading a buffer far larger than the caches, as a decode step reads the weights."""
+    buffer = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    seconds = _best_seconds(lambda: buffer.sum(), device)
+    return num_bytes / seconds / 1e9
+
+
+def small_product_us(threads: int, repeats: int = 300) -> float:
+    """Mean time of one [8, 576] x [576, 1536] product, a decode step's size, on `threads` CPU
+    threads. A mean, not a best: on a shared machine the waits for a descheduled thread are the
+    point."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, weight = torch.randn(8, 576), torch.randn(1536, 576)
+        torch.nn.functional.linear(x, weight)
+        with Stopwatch("cpu") as watch:
+            for _ in range(repeats):
+                torch.nn.functional.linear(x, weight)
+    finally:
+        torch.set_num_threads(previous)
+    return 1e6 * watch.seconds / repeats
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    small = {}
+    if device.type == "cpu":
+        small = {n: small_product_us(n) for n in sorted({1, os.cpu_count() or 1})}
+    return Ceilings(
+        matmul_gflops={name: matmul_gflops(dtype, device) for name, dtype in dtypes.items()},
+        bandwidth_gbs=bandwidth_gbs(device),
+        threads=torch.get_num_threads(),
+        small_product_us=small,
+    )
+
+
+def model_cost(model: torch.nn.Module) -> ModelCost:
+    """From a loaded decoder: its weight bytes, and 2 FLOPs per weight that multiplies."""
+    weights = list(model.parameters())
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    multiplied = sum(w.numel() for w in weights if w.dim() == 2)
+    # An untied input embedding is only looked up, never multiplied.
+    if getattr(model, "lm_head", None) is not None:
+        multiplied -= model.embed_tokens.numel()
+    return ModelCost(weight_bytes, 2.0 * multiplied)
+
+
+def machine_description() -> dict:
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "native_bfloat16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"

@@ -1,0 +1,133 @@
+"""Workloads through LLM.generate in this process, timed and traced step by step.
+
+Every request arrives at the start, so E2E latency includes the time spent waiting for a seat.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from pagedserve.bench.ceilings import ModelCost, model_cost
+from pagedserve.bench.datasets import BenchRequest
+from pagedserve.bench.metrics import distribution_ms
+from pagedserve.bench.trace import KvLayout, StepRecord, StepRecorder, step_summary
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.llm import LLM
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.timing import Stopwatch
+
+T = TypeVar("T")
+
+
+@dataclass
+class EngineSetup:
+    """What a run ran on, for a baseline to match and for the ceilings to compare against."""
+
+    model_dir: Path
+    dtype: torch.dtype
+    device: torch.device
+    kv_layout: KvLayout
+    cost: ModelCost
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineSetup:
+        runner = engine.runner
+        return cls(
+            engine.model_dir,
+            runner.dtype,
+            runner.device,
+            KvLayout.of(engine),
+            model_cost(runner.model),
+        )
+
+
+@dataclass
+class OfflineRun:
+    name: str
+    batch_size: int
+    duration_s: float
+    prompt_tokens: int
+    output_tokens: int
+    e2e_s: list[float]  # per request, from the run's start (every request arrives then)
+    ttft_s: list[float] | None = None  # None where the run cannot see first tokens
+    tpot_s: list[float] | None = None
+    steps: list[StepRecord] = field(default_factory=list)
+    started: float = 0.0  # time.monotonic() at the start, the clock of `steps`
+    setup: EngineSetup | None = None
+
+    def summary(self) -> dict:
+        return {
+            "name": self.name,
+            "batch_size": self.batch_size,
+            "num_requests": len(self.e2e_s),
+            "duration_s": self.duration_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "output_throughput": self.output_tokens / self.duration_s,
+            "total_token_throughput": (self.prompt_tokens + self.output_tokens) / self.duration_s,
+            "e2e_ms": distribution_ms(self.e2e_s),
+            "ttft_ms": None if self.ttft_s is None else distribution_ms(self.ttft_s),
+            "tpot_ms": None if self.tpot_s is None else distribution_ms(self.tpot_s),
+            "steps": step_summary(self.steps) if self.steps else None,
+        }
+
+
+def with_fresh_llm(engine_args: dict, work: Callable[[LLM], T], **overrides) -> T:
+    """Builds an LLM for one piece of work; it and its KV cache are gone once work returns, so
+    that two caches never coexist."""
+    llm = LLM(**{**engine_args, **overrides})
+    result = work(llm)
+    del llm
+    gc.collect()
+    return result
+
+
+def greedy_params(requests: list[BenchRequest]) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests
+    ]
+
+
+WARM_UP = BenchRequest(list(range(100, 132)), 4)
+
+
+def warm_up(llm: LLM) -> None:
+    """One short request, so that one-time costs of the first forward are billed to no run."""
+    llm.generate({"prompt_token_ids": WARM_UP.prompt_token_ids}, greedy_params([WARM_UP]))
+
+
+def run_engine(llm: LLM, requests: list[BenchRequest], name: str | None = None) -> OfflineRun:
+    """Runs requests through llm.generate after a warm-up; every step is recorded."""
+    warm_up(llm)
+    engine = llm.engine
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    with StepRecorder(engine) as recorder, Stopwatch(engine.runner.device) as watch:
+        outputs = llm.generate(prompts, greedy_params(requests))
+    return OfflineRun(
+        name=name or engine.config.scheduler,
+        batch_size=engine.config.max_num_seqs,
+        duration_s=watch.seconds,
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        e2e_s=[o.metrics.finished_time - o.metrics.arrival_time for o in outputs],
+        ttft_s=[o.metrics.first_token_time - o.metrics.arrival_time for o in outputs],
+        tpot_s=[tpot for o in outputs if (tpot := _tpot(o)) is not None],
+        steps=recorder.records,
+        started=recorder.started,
+        setup=EngineSetup.of(engine),
+    )
+
+
+def _tpot(output: RequestOutput) -> float | None:
+    num_tokens = len(output.outputs[0].token_ids)
+    if num_tokens < 2:
+        return None
+    m = output.metrics
+    return (m.finished_time - m.first_token_time) / (num_tokens - 1)

@@ -1,0 +1,182 @@
+"""`pagedserve bench report` (what `make bench` runs): every benchmark in one run, one after the
+other in one process, written to BENCHMARKS.md with its plots and raw results."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import date
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from pagedserve.bench import report_sections as sections
+from pagedserve.bench.ceilings import measure_ceilings
+from pagedserve.bench.client import Target
+from pagedserve.bench.datasets import (
+    BenchRequest,
+    DatasetSpec,
+    build_requests,
+    load_tokenizer,
+    w1_requests,
+)
+from pagedserve.bench.launch import local_server
+from pagedserve.bench.metrics import Slo
+from pagedserve.bench.offline import EngineSetup, OfflineRun, run_engine, with_fresh_llm
+from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
+from pagedserve.bench.sweep import DEFAULT_BATCH_SIZES, run_sweep
+from pagedserve.bench.throughput import run_throughput
+from pagedserve.bench.timeline import Segment, run_seed_scenario
+from pagedserve.engine.model_runner import resolve_device
+
+logger = logging.getLogger(__name__)
+POLICIES = ("continuous", "static")
+T = TypeVar("T")
+
+
+@dataclass
+class ReportConfig:
+    model: str | None = None
+    dtype: str = "auto"
+    plots_dir: Path = Path("docs/bench")
+    # Below 64, the size of W1, so that requests wait for seats and the policies differ.
+    w1_batch_size: int = 32
+    # transformers' generate is too slow here for all of W1 (about 10 minutes at batch 32), so
+    # it runs W1's first requests, as one batch, beside our engine on the same ones.
+    baseline_requests: int = 8
+    sweep_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    sweep_prompt_len: int = 16
+    sweep_output_len: int = 16
+    # About a reader's pace: 5 tokens/s.
+    sweep_slo: Slo = field(default_factory=lambda: Slo(tpot=200))
+    serve_dataset: DatasetSpec = field(
+        default_factory=lambda: DatasetSpec("random", 24, (32, 96), (16, 48))
+    )
+    serve_rate: float = 1.5
+    serve_slo: Slo = field(default_factory=lambda: Slo(ttft=2000, tpot=200))
+    threads: int | None = None  # torch's intra-op threads, here and in the server; None: default
+
+    @property
+    def engine_args(self) -> dict:
+        return {"model": self.model, "dtype": self.dtype}
+
+
+def write_report(config: ReportConfig, output: Path) -> Path:
+    started, load_before = time.monotonic(), os.getloadavg()[0]
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    config.plots_dir.mkdir(parents=True, exist_ok=True)
+    plots_link = Path(os.path.relpath(config.plots_dir.resolve(), output.parent.resolve()))
+    stages = _Stages()
+    body, raw = _measure_and_render(config, plots_link, stages)
+    minutes = (time.monotonic() - started) / 60
+    loads = (load_before, os.getloadavg()[0])
+    head = sections.header(date.today(), minutes, loads, stages.seconds)
+    output.write_text(head + "\n" + body)
+    raw["stage_seconds"] = stages.seconds
+    (config.plots_dir / "results.json").write_text(json.dumps(raw, indent=1) + "\n")
+    return output
+
+
+@dataclass
+class _Stages:
+    """Runs the report's stages one by one, logging each and keeping its wall time."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def run(self, name: str, work: Callable[[], T]) -> T:
+        logger.info("bench report: %s ...", name)
+        started = time.monotonic()
+        result = work()
+        self.seconds[name] = time.monotonic() - started
+        logger.info("bench report: %s took %.0f s", name, self.seconds[name])
+        return result
+
+
+def _measure_and_render(
+    config: ReportConfig, plots_link: Path, stages: _Stages
+) -> tuple[str, dict]:
+    """Runs every benchmark; returns the markdown below the header and the raw figures."""
+    engine_args, batch, requests = config.engine_args, config.w1_batch_size, w1_requests()
+    ceilings = stages.run("ceilings", lambda: measure_ceilings(resolve_device("auto")))
+    runs = [
+        stages.run(f"W1 {policy}", partial(_w1_run, config, requests, policy))
+        for policy in POLICIES
+    ]
+    setup = runs[0].setup
+    baseline = stages.run("transformers baseline", partial(_baseline_runs, config))
+    points = stages.run(
+        "sweep",
+        partial(
+            run_sweep,
+            engine_args,
+            config.sweep_batch_sizes,
+            config.sweep_prompt_len,
+            config.sweep_output_len,
+        ),
+    )
+    segments = stages.run("seed timeline", partial(_seed_timelines, engine_args))
+    serve = stages.run("bench serve", partial(_serve_run, config, setup, batch))
+    prefix = stages.run(
+        "prefix caching", partial(sections.prefix_caching, config.model, config.dtype)
+    )
+    context = sections.Context(config.plots_dir, plots_link, ceilings, setup)
+    body = "\n".join(
+        [
+            sections.machine(context),
+            sections.ceilings(context, batch),
+            sections.w1_policies(context, runs),
+            sections.transformers_baseline(context, baseline),
+            sections.kv_usage(context, runs),
+            sections.sweep(context, points, config),
+            sections.seed_timeline(context, segments),
+            sections.serving(context, serve, config, batch),
+            prefix,
+            sections.speed_targets(),
+        ]
+    )
+    raw = {
+        "machine": sections.machine_facts(context),
+        "ceilings": ceilings.as_dict(),
+        "w1": [run.summary() for run in runs],
+        "transformers_baseline": [run.summary() for run in baseline],
+        "sweep": points,
+        "serve": serve,
+    }
+    return body, raw
+
+
+def _w1_run(config: ReportConfig, requests: list[BenchRequest], policy: str) -> OfflineRun:
+    work = partial(run_engine, requests=requests)
+    return with_fresh_llm(
+        config.engine_args, work, max_num_seqs=config.w1_batch_size, scheduler=policy
+    )
+
+
+def _baseline_runs(config: ReportConfig) -> list[OfflineRun]:
+    requests = w1_requests()[: config.baseline_requests]
+    engine_args = {**config.engine_args, "max_num_seqs": config.baseline_requests}
+    return run_throughput(engine_args, requests, baseline="transformers")
+
+
+def _seed_timelines(engine_args: dict) -> dict[str, list[Segment]]:
+    return {policy: run_seed_scenario(engine_args, policy) for policy in POLICIES}
+
+
+def _serve_run(config: ReportConfig, setup: EngineSetup, batch: int) -> dict:
+    requests = build_requests(config.serve_dataset, load_tokenizer(setup.model_dir))
+    serve_args = ["--max-num-seqs", str(batch), "--dtype", config.dtype]
+    if config.model is not None:
+        serve_args += ["--model", config.model]
+    env = None if config.threads is None else {"OMP_NUM_THREADS": str(config.threads)}
+    with local_server(serve_args, env) as base_url:
+        serve_config = ServeConfig(
+            Target(base_url), request_rate=config.serve_rate, slo=config.serve_slo, progress=False
+        )
+        return run_serve_benchmark(serve_config, requests)

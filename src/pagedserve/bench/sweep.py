@@ -1,0 +1,53 @@
+"""`pagedserve bench sweep`: throughput against latency as max_num_seqs grows.
+
+Each point runs one wave of max_num_seqs identical requests (fixed prompt and output lengths, all
+arriving at once), so every request is seated from the first step: TTFT is the prefill of the
+whole batch, TPOT the pace of a decode step at that batch size. A fresh engine per point keeps
+every other setting equal.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from pagedserve.bench.datasets import BenchRequest
+from pagedserve.bench.metrics import Slo
+from pagedserve.bench.offline import run_engine, with_fresh_llm
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def fixed_requests(num: int, prompt_len: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
+    rng = np.random.default_rng(seed)
+    return [
+        BenchRequest(rng.integers(1000, 40000, prompt_len).tolist(), output_len) for _ in range(num)
+    ]
+
+
+def run_sweep(
+    engine_args: dict,
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+    prompt_len: int = 16,
+    output_len: int = 16,
+) -> list[dict]:
+    """One summary (see OfflineRun.summary) per batch size."""
+    points = []
+    for batch_size in batch_sizes:
+        requests = fixed_requests(batch_size, prompt_len, output_len)
+        work = partial(run_engine, requests=requests)
+        run = with_fresh_llm(engine_args, work, max_num_seqs=batch_size)
+        points.append(run.summary())
+    return points
+
+
+def largest_meeting(points: list[dict], slo: Slo) -> dict | None:
+    """The point with the largest batch whose p99 TTFT and TPOT meet slo (its e2e is ignored)."""
+    meeting = [
+        p
+        for p in points
+        if (slo.ttft is None or p["ttft_ms"]["p99"] <= slo.ttft)
+        and (slo.tpot is None or p["tpot_ms"]["p99"] <= slo.tpot)
+    ]
+    return max(meeting, key=lambda p: p["batch_size"], default=None)

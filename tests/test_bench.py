@@ -1,0 +1,313 @@
+"""Benchmarks: metric formulas, workloads, the timing helper, and short runs on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import ServerProcess
+
+from pagedserve.bench.arrivals import arrival_offsets
+from pagedserve.bench.client import Target
+from pagedserve.bench.datasets import (
+    DatasetSpec,
+    build_requests,
+    chat_template_overhead,
+    load_tokenizer,
+    ordinary_token_ids,
+    parse_range,
+    text_with_length,
+    w1_requests,
+)
+from pagedserve.bench.metrics import RequestResult, Slo, summarize
+from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
+from pagedserve.bench.server_metrics import Histogram
+from pagedserve.bench.sweep import largest_meeting
+from pagedserve.timing import Stopwatch, device_clock, synchronize
+
+# Metric formulas on a synthetic stream.
+
+
+def _result(start: float, chunks: list[float], output_tokens: int, end: float | None = None):
+    return RequestResult(
+        start=start,
+        end=chunks[-1] if end is None else end,
+        token_times=chunks,
+        prompt_tokens=10,
+        output_tokens=output_tokens,
+    )
+
+
+def test_request_metrics_follow_their_definitions():
+    result = _result(10.0, [10.5, 10.6, 10.8, 11.0], output_tokens=4, end=11.2)
+    assert result.ttft == pytest.approx(0.5)
+    assert result.itls == pytest.approx([0.1, 0.2, 0.2])
+    assert result.e2e == pytest.approx(1.2)
+    assert result.tpot == pytest.approx((1.2 - 0.5) / 3)
+    assert _result(0.0, [0.3], output_tokens=1).tpot is None
+
+
+def test_summary_percentiles_throughput_goodput_and_failures():
+    fast = _result(0.0, [0.2, 0.3, 0.4], output_tokens=3)
+    slow = _result(0.0, [0.6, 1.0, 1.4], output_tokens=3)
+    failed = RequestResult(start=0.0, error="HTTP 500: boom")
+    summary = summarize([fast, failed, slow], duration=2.0, slo=Slo(ttft=500, tpot=500))
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert summary["failures"] == [{"index": 1, "error": "HTTP 500: boom"}]
+    assert summary["request_throughput"] == pytest.approx(1.0)
+    assert summary["output_throughput"] == pytest.approx(3.0)
+    assert summary["total_token_throughput"] == pytest.approx((20 + 6) / 2.0)
+    ttft = summary["ttft_ms"]
+    assert ttft["mean"] == pytest.approx(400)
+    assert ttft["p50"] == pytest.approx(400)
+    assert ttft["p99"] == pytest.approx(200 + 0.99 * 400)  # numpy's linear interpolation
+    assert summary["tpot_ms"]["mean"] == pytest.approx((100 + 400) / 2)
+    assert summary["itl_ms"]["p50"] == pytest.approx(250)  # gaps 100, 100, 400, 400
+    assert summary["e2e_ms"]["p90"] == pytest.approx(400 + 0.9 * 1000)
+    # Only `fast` meets TTFT <= 500 ms.
+    assert summary["good_requests"] == 1
+    assert summary["goodput"] == pytest.approx(0.5)
+
+
+def test_slo_parsing():
+    assert Slo.parse("ttft=500,tpot=50").as_dict() == {"ttft": 500.0, "tpot": 50.0}
+    assert Slo.parse("").as_dict() == {}
+    with pytest.raises(ValueError, match="ttft=MS"):
+        Slo.parse("latency=3")
+
+
+# Workloads.
+
+
+def test_w1_is_the_fixed_workload():
+    requests = w1_requests()
+    assert len(requests) == 64
+    assert sum(r.prompt_len for r in requests) == 4429
+    assert sum(r.output_len for r in requests) == 8632
+    assert all(8 <= r.prompt_len <= 128 and 8 <= r.output_len <= 256 for r in requests)
+    assert all(1000 <= t < 40000 for r in requests for t in r.prompt_token_ids)
+    assert [r.prompt_token_ids for r in w1_requests()] == [r.prompt_token_ids for r in requests]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+def test_random_and_shared_prefix_lengths(tokenizer):
+    special = set(tokenizer.all_special_ids)
+    spec = DatasetSpec("random", num_prompts=50, input_len=(5, 9), output_len=(3, 4))
+    requests = build_requests(spec, tokenizer)
+    assert len(requests) == 50
+    assert {r.prompt_len for r in requests} <= set(range(5, 10))
+    assert {r.output_len for r in requests} == {3, 4}
+    assert not special & {t for r in requests for t in r.prompt_token_ids}
+
+    spec = DatasetSpec("shared-prefix", num_prompts=6, input_len=(2, 3), prefix_len=20)
+    requests = build_requests(spec, tokenizer)
+    prefix = requests[0].prompt_token_ids[:20]
+    assert all(r.prompt_token_ids[:20] == prefix for r in requests)
+    assert {r.prompt_len - 20 for r in requests} <= {2, 3}
+    assert len({tuple(r.prompt_token_ids) for r in requests}) == 6
+
+
+def test_text_is_made_to_encode_to_the_asked_length(tokenizer):
+    vocabulary = ordinary_token_ids(tokenizer)
+    rng = np.random.default_rng(1)
+    for length in (1, 7, 40, 128):
+        text = text_with_length(
+            tokenizer, rng.choice(vocabulary, length).tolist(), length, vocabulary
+        )
+        assert len(tokenizer.encode(text, add_special_tokens=False)) == length
+    assert chat_template_overhead(tokenizer) > 0
+
+
+def test_parse_range():
+    assert parse_range("8:128") == (8, 128)
+    assert parse_range("64") == (64, 64)
+    with pytest.raises(ValueError):
+        parse_range("9:3")
+
+
+def test_arrivals():
+    assert not arrival_offsets(5, math.inf).any()
+    offsets = arrival_offsets(4000, rate=4.0, seed=1)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0 and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(0.25, rel=0.1)
+    # Gamma gaps with shape k have a coefficient of variation of 1 / sqrt(k).
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.1)
+    bursty = np.diff(arrival_offsets(4000, rate=4.0, burstiness=0.25, seed=1))
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.15)
+
+
+def test_histogram_quantiles_interpolate_within_buckets():
+    before = Histogram([0.1, 0.2, math.inf], [1, 1, 1], 0.05)
+    after = Histogram([0.1, 0.2, math.inf], [3, 7, 8], 2.0)
+    run = after.minus(before)
+    assert run.count == 7 and run.bucket_counts() == [2, 4, 1]
+    assert run.quantile(0.5) == pytest.approx(0.1 + 0.1 * (3.5 - 2) / 4)
+    assert run.quantile(1.0) == 0.2  # beyond the last finite bound, the bound is all we know
+
+
+def test_largest_batch_meeting_an_slo():
+    points = [
+        {"batch_size": b, "ttft_ms": {"p99": 10 * b}, "tpot_ms": {"p99": tpot}}
+        for b, tpot in ((1, 50), (2, 60), (4, 90), (8, 150))
+    ]
+    assert largest_meeting(points, Slo(tpot=100))["batch_size"] == 4
+    assert largest_meeting(points, Slo(tpot=100, ttft=25))["batch_size"] == 2
+    assert largest_meeting(points, Slo(tpot=10)) is None
+
+
+# The timing helper.
+
+
+def test_device_clock_synchronizes_cuda_before_reading_the_clock(monkeypatch):
+    synchronized: list[tuple[torch.device, float]] = []
+
+    def fake_synchronize(device=None):
+        time.sleep(0.05)  # as if the device still had 50 ms of queued work
+        synchronized.append((device, time.perf_counter()))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", fake_synchronize)
+    clock = device_clock("cuda:1")
+    assert synchronized[0][0] == torch.device("cuda:1")
+    assert clock >= synchronized[0][1]
+    with Stopwatch(torch.device("cuda:0")) as watch:
+        pass
+    # Both ends wait for the device: the block is billed its queued work.
+    assert len(synchronized) == 3 and watch.seconds >= 0.05
+    synchronize("cpu")
+    assert len(synchronized) == 3  # CPU work is synchronous: nothing to wait for
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_clock_waits_for_queued_cuda_work():
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        a = a @ a / 4096
+    device_clock(a.device)
+    assert torch.cuda.current_stream(a.device).query()  # no work left in flight
+
+
+def test_bench_serve_side_imports_neither_torch_nor_the_engine():
+    code = (
+        "import sys, pagedserve.bench.serve, pagedserve.cli; "
+        "bad = [m for m in ('torch', 'pagedserve.engine.llm_engine') if m in sys.modules]; "
+        "sys.exit(str(bad) if bad else 0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# Short runs against a real server and in process, on a tiny model.
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    process = ServerProcess("--model", str(checkpoint), "--dtype", "float32")
+    yield process
+    process.close()
+
+
+def test_bench_serve_against_a_real_server(server, tokenizer):
+    requests = build_requests(DatasetSpec("random", 8, (4, 24), (2, 12), seed=3), tokenizer)
+    config = ServeConfig(Target(server.base_url), request_rate=50.0, progress=False)
+    summary = run_serve_benchmark(config, requests)
+    assert summary["failed"] == 0, summary["failures"]
+    assert summary["completed"] == 8
+    assert summary["total_prompt_tokens"] == sum(r.prompt_len for r in requests)
+    assert summary["total_output_tokens"] == sum(r.output_len for r in requests)
+    assert summary["ttft_ms"]["p50"] > 0 and summary["e2e_ms"]["p99"] >= summary["ttft_ms"]["p99"]
+    assert summary["server_ttft"]["count"] == 8
+    assert sum(b["client"] for b in summary["server_ttft"]["buckets"]) == 8
+
+
+def test_bench_serve_command_on_the_chat_endpoint(server, tmp_path, capsys):
+    from pagedserve.cli import main
+
+    result_file = tmp_path / "result.json"
+    command = (
+        f"bench serve --base-url {server.base_url} --endpoint /v1/chat/completions "
+        "--num-prompts 4 --input-len 40:60 --output-len 3 --max-concurrency 2 --no-progress "
+        f"--slo ttft=60000 --result-file {result_file}"
+    )
+    main(command.split())
+    summary = json.loads(result_file.read_text())
+    assert summary["failed"] == 0, summary["failures"]
+    assert summary["total_output_tokens"] == 12
+    # Prompts longer than the template: text was made to count exactly the drawn lengths.
+    assert summary["total_prompt_tokens"] == summary["requested"]["prompt_tokens"]
+    assert summary["good_requests"] == 4
+    assert "TTFT" in capsys.readouterr().out
+
+
+def test_seed_scenario_timeline(checkpoint):
+    from pagedserve.bench.timeline import HELD, RUNNING, run_seed_scenario
+
+    engine_args = {"model": str(checkpoint), "dtype": "float32"}
+    continuous = run_seed_scenario(engine_args, "continuous")
+    static = run_seed_scenario(engine_args, "static")
+    assert _as_tuples(continuous) == [
+        (0, "A", RUNNING, 0, 7),
+        (1, "B", RUNNING, 0, 63),
+        (0, "C", RUNNING, 8, 15),
+    ]
+    assert _as_tuples(static) == [
+        (0, "A", RUNNING, 0, 7),
+        (1, "B", RUNNING, 0, 63),
+        (0, "A", HELD, 8, 63),
+        (0, "C", RUNNING, 64, 71),
+    ]
+
+
+def _as_tuples(segments) -> list[tuple]:
+    return [(s.seat, s.request, s.state, s.first_step, s.last_step) for s in segments]
+
+
+def test_offline_runs_credit_each_request_its_own_tokens(checkpoint, tmp_path):
+    from pagedserve.bench.plots import kv_usage_plot, policies_plot
+    from pagedserve.bench.throughput import run_throughput
+
+    requests = w1_requests()[:5]
+    engine_args = {"model": str(checkpoint), "dtype": "float32", "max_num_seqs": 2}
+    ours, baseline = run_throughput(engine_args, requests, baseline="transformers")
+    for run in (ours, baseline):
+        assert run.batch_size == 2 and len(run.e2e_s) == 5
+        assert run.prompt_tokens == sum(r.prompt_len for r in requests)
+        assert run.output_tokens == sum(r.output_len for r in requests)
+    # Request-level batches of 2, 2 and 1: each batch's members share their E2E.
+    assert len(set(baseline.e2e_s)) == 3
+    assert max(len(record.running) for record in ours.steps) == 2
+    assert ours.steps[-1].kv_blocks_used == 0
+    assert sum(len(record.released) for record in ours.steps) == 5
+    assert sum(record.first_tokens for record in ours.steps) == 5
+    steps = ours.summary()["steps"]
+    assert steps["steps"] == len(ours.steps) >= steps["prefill_steps"] + steps["decode_steps"]
+    for path in (
+        policies_plot([ours, baseline], tmp_path / "p.png"),
+        kv_usage_plot([ours], tmp_path / "kv.png"),
+    ):
+        assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_prefix_caching_section_is_a_placeholder_until_its_module_exists(monkeypatch):
+    from pagedserve.bench import report_sections
+
+    def missing(name: str):
+        raise ImportError(name)
+
+    monkeypatch.setattr(report_sections.importlib, "import_module", missing)
+    assert "Not yet measured" in report_sections.prefix_caching(None, "auto")
+    assert "Not yet measured" in report_sections.speed_targets()
