@@ -293,6 +293,17 @@ def test_offline_runs_credit_each_request_its_own_tokens(checkpoint, tmp_path):
         assert path.read_bytes().startswith(b"\x89PNG")
 
 
+def test_sweep_runs_one_wave_per_batch_size(checkpoint):
+    from pagedserve.bench.sweep import run_sweep
+
+    points = run_sweep({"model": str(checkpoint), "dtype": "float32"}, (1, 3), 5, 4)
+    assert [p["batch_size"] for p in points] == [1, 3]
+    assert [p["output_tokens"] for p in points] == [4, 12]
+    # One wave: every request is seated at once, so they share the first and the last steps.
+    assert all(p["steps"]["prefill_steps"] == 1 for p in points)
+    assert all(p["tpot_ms"]["p50"] > 0 for p in points)
+
+
 def test_prefix_caching_section_is_a_placeholder_until_its_module_exists(monkeypatch):
     from pagedserve.bench import report_sections
 

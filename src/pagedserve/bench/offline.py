@@ -103,16 +103,17 @@ def warm_up(llm: LLM) -> None:
     llm.generate({"prompt_token_ids": WARM_UP.prompt_token_ids}, greedy_params([WARM_UP]))
 
 
-def run_engine(llm: LLM, requests: list[BenchRequest], name: str | None = None) -> OfflineRun:
-    """Runs requests through llm.generate after a warm-up; every step is recorded."""
+def run_engine(llm: LLM, requests: list[BenchRequest], batch_size: int | None = None) -> OfflineRun:
+    """Runs requests through llm.generate after a warm-up; every step is recorded. batch_size
+    names the run's batch when it is not the engine's max_num_seqs."""
     warm_up(llm)
     engine = llm.engine
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     with StepRecorder(engine) as recorder, Stopwatch(engine.runner.device) as watch:
         outputs = llm.generate(prompts, greedy_params(requests))
     return OfflineRun(
-        name=name or engine.config.scheduler,
-        batch_size=engine.config.max_num_seqs,
+        name=engine.config.scheduler,
+        batch_size=batch_size or engine.config.max_num_seqs,
         duration_s=watch.seconds,
         prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),

@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # files only: the benchmarks run on machines without a di
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.ticker import ScalarFormatter
+from matplotlib.ticker import LogLocator, ScalarFormatter
 
 from pagedserve.bench.metrics import Slo
 from pagedserve.bench.offline import OfflineRun
@@ -61,6 +61,7 @@ def sweep_plot(points: list[dict], slo: Slo, best: dict | None, path: Path) -> P
         )
         # Plain numbers on the log axis: "300", not "3 x 10^2".
         ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
         ax.yaxis.set_minor_formatter(ScalarFormatter())
         ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.legend(fontsize=7)

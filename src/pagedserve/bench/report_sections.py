@@ -361,9 +361,11 @@ def sweep(context: Context, points: list[dict], config) -> str:
         "## What raising the batch size costs: the max_num_seqs sweep",
         "W1 cannot run at batch 1 within the time `make bench` has (8,632 tokens at a few "
         "tokens/s), so each point runs one fixed wave instead: max_num_seqs requests of "
-        f"{prompt_len} prompt and {output_len} output tokens, all arriving at once, on a fresh "
-        "engine. Every request is seated from the first step, so TTFT is the prefill of the "
-        "whole batch and TPOT the pace of a decode step at that batch size.",
+        f"{prompt_len} prompt and {output_len} output tokens, all arriving at once. Every "
+        "request is seated from the first step, so TTFT is the prefill of the whole batch and "
+        "TPOT the pace of a decode step at that batch size. (One engine, built with the largest "
+        "max_num_seqs, runs every point: a wave of b requests is scheduled exactly as under "
+        "max_num_seqs b.)",
         _code(
             f"pagedserve bench sweep --batch-sizes {sizes} --prompt-len {prompt_len} "
             f"--output-len {output_len} --slo {slo_arg}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import numpy as np
@@ -40,7 +40,9 @@ def run_serve_benchmark(config: ServeConfig, requests: list[BenchRequest], token
     with the server's own TTFT histogram for the run beside the client's TTFTs."""
     with httpx.Client(timeout=30) as probe:
         if config.target.model is None:
-            config.target.model = served_model(probe, config.target)
+            config = replace(
+                config, target=replace(config.target, model=served_model(probe, config.target))
+            )
         bodies = request_bodies(config.target, requests, tokenizer)
         before = scrape_ttft(probe, config.target.base_url)
         results, duration = asyncio.run(_send_all(config, bodies))

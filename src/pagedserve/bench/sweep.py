@@ -2,8 +2,9 @@
 
 Each point runs one wave of max_num_seqs identical requests (fixed prompt and output lengths, all
 arriving at once), so every request is seated from the first step: TTFT is the prefill of the
-whole batch, TPOT the pace of a decode step at that batch size. A fresh engine per point keeps
-every other setting equal.
+whole batch, TPOT the pace of a decode step at that batch size. One engine, built with the largest
+max_num_seqs, runs every point: a wave of b requests is scheduled step for step as it would be
+under max_num_seqs b, since all b are seated at once either way.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.bench.metrics import Slo
 from pagedserve.bench.offline import run_engine, with_fresh_llm
+from pagedserve.llm import LLM
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -33,13 +35,19 @@ def run_sweep(
     output_len: int = 16,
 ) -> list[dict]:
     """One summary (see OfflineRun.summary) per batch size."""
-    points = []
-    for batch_size in batch_sizes:
-        requests = fixed_requests(batch_size, prompt_len, output_len)
-        work = partial(run_engine, requests=requests)
-        run = with_fresh_llm(engine_args, work, max_num_seqs=batch_size)
-        points.append(run.summary())
-    return points
+    work = partial(
+        _run_points, batch_sizes=batch_sizes, prompt_len=prompt_len, output_len=output_len
+    )
+    return with_fresh_llm(engine_args, work, max_num_seqs=max(batch_sizes))
+
+
+def _run_points(
+    llm: LLM, batch_sizes: tuple[int, ...], prompt_len: int, output_len: int
+) -> list[dict]:
+    return [
+        run_engine(llm, fixed_requests(b, prompt_len, output_len), batch_size=b).summary()
+        for b in batch_sizes
+    ]
 
 
 def largest_meeting(points: list[dict], slo: Slo) -> dict | None:
