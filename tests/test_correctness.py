@@ -9,6 +9,7 @@ from conftest import TINY_ARCHITECTURES, reference_greedy
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.model.layers import can_pack_linear_weights
 
 PROMPT_LENGTHS = (1, 5, 16, 17, 33, 48, 70, 130)
 NEW_TOKENS = 40
@@ -67,3 +68,16 @@ def test_chunked_prefill_changes_nothing(tiny_checkpoint, references):
     chunked = LLM(str(tiny_checkpoint("llama")), dtype="float32", max_num_batched_tokens=16)
     assert _generate(unchunked) == references("llama")
     assert _generate(chunked) == references("llama")
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_packed_and_plain_weights_match_transformers(architecture, tiny_checkpoint, references):
+    packed = LLM(str(tiny_checkpoint(architecture)), dtype="float32")
+    plain = LLM(str(tiny_checkpoint(architecture)), dtype="float32", pack_weights=False)
+    runner = packed.engine.runner
+    expect_packed = can_pack_linear_weights(runner.device, runner.dtype)
+    first_projection = runner.model.layers[0].self_attn.qkv_proj
+    assert (first_projection.packed_weight is not None) == expect_packed
+    assert plain.engine.runner.model.layers[0].self_attn.qkv_proj.packed_weight is None
+    assert _generate(packed) == references(architecture)
+    assert _generate(plain) == references(architecture)

@@ -32,6 +32,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
     )
+    group.add_argument(
+        "--no-pack-weights",
+        dest="pack_weights",
+        action="store_false",
+        help="keep float32 CPU weights in their checkpoint layout (F.linear)",
+    )
     group.add_argument("--seed", type=int, default=defaults["seed"])
 
 

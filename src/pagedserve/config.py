@@ -25,6 +25,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Float32 on CPU: linear weights reordered once for oneDNN (pagedserve.model.layers).
+    pack_weights: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

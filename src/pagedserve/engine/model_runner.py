@@ -12,6 +12,7 @@ from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
 from pagedserve.model.checkpoint import load_model
+from pagedserve.model.layers import can_pack_linear_weights
 from pagedserve.model.sampler import (
     LogprobsRequest,
     LogprobsTensors,
@@ -50,6 +51,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model = load_model(model_dir, self.dtype, self.device)
+        if config.pack_weights and can_pack_linear_weights(self.device, self.dtype):
+            self.model.pack_linear_weights()
         self.model_config = self.model.config
         bytes_per_block = self.model.kv_cache_bytes_per_token() * config.block_size
         self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block

@@ -8,7 +8,14 @@ from torch import nn
 
 from pagedserve.model.attention import AttentionBatch, PagedAttention
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from pagedserve.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    pack_linear_weight,
+    packed_linear,
+)
 
 
 class DecoderLayer(nn.Module):
@@ -36,6 +43,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None
+        self.packed_embeddings: torch.Tensor | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         self.rotary = RotaryEmbedding(
@@ -50,8 +58,20 @@ class DecoderModel(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.packed_embeddings is not None:
+            return packed_linear(hidden, self.packed_embeddings, None).float()
+        return F.linear(hidden, self.embed_tokens).float()
+
+    def pack_linear_weights(self) -> None:
+        """Packs every linear map's weight for CPU products (see `pack_linear_weight`). Tied
+        embeddings keep their plain copy for the lookup and gain a packed one for the logits."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
+        if self.lm_head is None:
+            self.packed_embeddings = pack_linear_weight(self.embed_tokens)
 
     def kv_cache_bytes_per_token(self) -> int:
         config = self.config

@@ -6,6 +6,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The row count oneDNN lays packed weights out for. Measured on the 2-core AVX2 machine with the
+# default model's 30 layers: 1.2-1.5x faster than F.linear from 2 to 200 rows, even at 1 row.
+PACKING_ROWS = 64
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight ([out, in]) reordered once into oneDNN's blocked layout for `packed_linear`.
+
+    F.linear hands CPU products to a GEMM that re-lays the weight out on every call; packing once
+    at load time saves that on every step.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS)
+
+
+def packed_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def can_pack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Packing is measured to pay for float32 on CPU; elsewhere F.linear is used as it is."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
 
 class Linear(nn.Module):
     """A linear map whose weights are left uninitialised: they always come from a checkpoint."""
@@ -14,8 +38,16 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.packed_weight: torch.Tensor | None = None
+
+    def pack_weight(self) -> None:
+        """Replaces the loaded weight with its packed copy (see `pack_linear_weight`)."""
+        self.packed_weight = pack_linear_weight(self.weight)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
