@@ -19,6 +19,10 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding
 
 
+# More than any table's length in blocks can need (2**64 blocks).
+_CONTEXT_BUCKETS = 64
+
+
 @dataclass
 class AttentionGroup:
     """Sequences attended together in one padded call."""
@@ -105,9 +109,14 @@ class AttentionBatch:
                 token_index,
             )
 
-        # Sequences are grouped by query length in powers of two, so padding at most doubles a
-        # group's query grid (and single-token decodes are never padded at all).
-        buckets = [(n - 1).bit_length() for n in query_lens]
+        # Sequences are grouped by query length and by context length in powers of two, so
+        # padding at most doubles a group's query grid (single-token decodes are never padded)
+        # or its keys: one long sequence would otherwise make every short one gather and attend
+        # over its length. Contexts of up to 4 blocks share a group.
+        buckets = [
+            _CONTEXT_BUCKETS * (n - 1).bit_length() + max(0, (len(table) - 1).bit_length() - 2)
+            for n, table in zip(query_lens, block_tables, strict=True)
+        ]
         rows_by_bucket: dict[int, list[int]] = {}
         for row, bucket in enumerate(buckets):
             rows_by_bucket.setdefault(bucket, []).append(row)
