@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedserve.bench.launch import LocalServer
+
 TINY_ARCHITECTURES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3")
 # Small enough to run in a blink, large enough that GQA, biases and norms all matter.
 _TINY_SHAPE = dict(
@@ -91,44 +93,8 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]
     return out[0, len(prompt) :].tolist()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class ServerProcess:
+class ServerProcess(LocalServer):
     """A real `pagedserve serve` process on 127.0.0.1, stopped on close()."""
 
-    def __init__(self, *args: str, startup_timeout: float = 180.0):
-        import subprocess
-        import sys
-        import time
-
-        import httpx
-
-        self.port = _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(self.port)]
-        self.process = subprocess.Popen([*command, *args])
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.close()
-        raise RuntimeError("server did not become healthy in time")
-
-    def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except Exception:
-            self.process.kill()
+    def __init__(self, *args: str):
+        super().__init__(list(args), startup_timeout=180.0)

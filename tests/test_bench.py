@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import ServerProcess
 
+from pagedserve import LLM
 from pagedserve.bench.arrivals import arrival_offsets
 from pagedserve.bench.client import Target
 from pagedserve.bench.datasets import (
@@ -304,12 +305,88 @@ def test_sweep_runs_one_wave_per_batch_size(checkpoint):
     assert all(p["tpot_ms"]["p50"] > 0 for p in points)
 
 
-def test_prefix_caching_section_is_a_placeholder_until_its_module_exists(monkeypatch):
-    from pagedserve.bench import report_sections
+def test_decode_step_profile_accounts_for_the_step(checkpoint):
+    from pagedserve.bench.speed import STEP_PHASES, profile_decode_steps
 
-    def missing(name: str):
-        raise ImportError(name)
+    llm = LLM(str(checkpoint), dtype="float32", max_num_seqs=3)
+    profiles = [profile_decode_steps(llm, batch, prompt_len=5, steps=3) for batch in (1, 3)]
+    for profile in profiles:
+        assert set(profile.phase_ms) == set(STEP_PHASES)
+        # The phases are laps of one clock inside the step, the wall time is read around it.
+        assert 0 < sum(profile.phase_ms.values()) <= profile.step_ms
+        assert 0 < profile.overhead_share < 1
+        assert profile.top_ops_ms and all(ms >= 0 for _, ms in profile.top_ops_ms)
+        assert sum(ms for _, ms in profile.top_ops_ms) <= profile.profiled_step_ms
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
-    monkeypatch.setattr(report_sections.importlib, "import_module", missing)
-    assert "Not yet measured" in report_sections.prefix_caching(None, "auto")
-    assert "Not yet measured" in report_sections.speed_targets()
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_long_prompt_load_serves_every_token(checkpoint, chunked):
+    from pagedserve.bench.speed import LongPromptLoad, run_long_prompt_load
+
+    load = LongPromptLoad(
+        streams=3,
+        stream_prompt_len=4,
+        stream_output_len=12,
+        long_prompt_len=60,
+        long_output_len=2,
+        long_arrivals_s=(0.0, 0.05),
+    )
+    llm = LLM(
+        str(checkpoint),
+        dtype="float32",
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=16 if chunked else 256,
+    )
+    result = run_long_prompt_load(llm, load)
+    streams, long_prompts = result["streams"], result["long_prompts"]
+    assert result["chunked_prefill"] is chunked
+    assert streams["completed"] == 3 and streams["total_output_tokens"] == 36
+    assert streams["itl_ms"]["p50"] > 0
+    assert long_prompts["completed"] == 2 and long_prompts["total_output_tokens"] == 4
+    assert long_prompts["total_prompt_tokens"] == 120
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_server_reports_its_peak_memory(server):
+    assert server.peak_rss_bytes() > 50 * 2**20
+
+
+def test_report_writes_every_section(checkpoint, tmp_path):
+    from pagedserve.bench.report import ReportConfig, write_report
+    from pagedserve.bench.speed import LongPromptLoad
+
+    config = ReportConfig(
+        model=str(checkpoint),
+        dtype="float32",
+        plots_dir=tmp_path / "plots",
+        baseline_requests=2,
+        sweep_batch_sizes=(1, 2),
+        sweep_prompt_len=4,
+        sweep_output_len=4,
+        serve_dataset=DatasetSpec("random", 4, (4, 8), (2, 4)),
+        serve_rate=50.0,
+        single_stream=(8, 8),
+        profile_batches=(1, 4),
+        long_prompt_load=LongPromptLoad(4, 4, 8, 48, 2, (0.0,)),
+        chunked_budget=16,
+    )
+    report = write_report(config, tmp_path / "BENCHMARKS.md").read_text()
+    for heading in (
+        "## Continuous against static batching on W1",
+        "## Against transformers' `generate`",
+        "## Prefix caching",
+        "## Engine speed targets",
+        "### W1 with every request seated: offline and over HTTP",
+        "### Where a decode step's time goes",
+        "### Long prompts arriving: chunked prefill",
+    ):
+        assert heading in report
+    targets = report.split("## Engine speed targets")[1].split("###")[0]
+    assert targets.count("\n| ") == 1 + 10  # the header and one row per target
+    raw = json.loads((tmp_path / "plots" / "results.json").read_text())
+    assert raw["speed"]["w1_http"]["failed"] == 0
+    assert raw["speed"]["w1_http"]["total_output_tokens"] == 8632
+    assert raw["speed"]["w1_all_seated"]["output_tokens"] == 8632
+    assert [p["batch"] for p in raw["speed"]["step_profiles"]] == [1, 4]

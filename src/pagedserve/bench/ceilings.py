@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.model.decoder import DecoderModel
+from pagedserve.model.layers import Linear
 from pagedserve.timing import Stopwatch
 
 
@@ -100,14 +102,18 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     )
 
 
-def model_cost(model: torch.nn.Module) -> ModelCost:
-    """From a loaded decoder: its weight bytes, and 2 FLOPs per weight that multiplies."""
-    weights = list(model.parameters())
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    multiplied = sum(w.numel() for w in weights if w.dim() == 2)
-    # An untied input embedding is only looked up, never multiplied.
-    if getattr(model, "lm_head", None) is not None:
-        multiplied -= model.embed_tokens.numel()
+def model_cost(model: DecoderModel) -> ModelCost:
+    """From a loaded decoder: its weight bytes in checkpoint layout (whether or not the linear
+    weights were packed since), and 2 FLOPs per weight that multiplies."""
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    linear_elements = sum(linear.in_features * linear.out_features for linear in linears)
+    plain_linear_weights = {id(linear.weight) for linear in linears if linear.weight is not None}
+    other_elements = sum(p.numel() for p in model.parameters() if id(p) not in plain_linear_weights)
+    weight_bytes = (linear_elements + other_elements) * model.embed_tokens.element_size()
+    multiplied = linear_elements
+    # Tied embeddings are also the output projection; untied ones are only looked up.
+    if model.lm_head is None:
+        multiplied += model.embed_tokens.numel()
     return ModelCost(weight_bytes, 2.0 * multiplied)
 
 

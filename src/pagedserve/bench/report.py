@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 
 from pagedserve.bench import report_sections as sections
+from pagedserve.bench import speed_sections
 from pagedserve.bench.ceilings import measure_ceilings
 from pagedserve.bench.client import Target
 from pagedserve.bench.datasets import (
@@ -26,11 +27,18 @@ from pagedserve.bench.datasets import (
     load_tokenizer,
     w1_requests,
 )
-from pagedserve.bench.launch import local_server
+from pagedserve.bench.launch import LocalServer
 from pagedserve.bench.metrics import Slo
 from pagedserve.bench.offline import EngineSetup, OfflineRun, run_engine, with_fresh_llm
 from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
-from pagedserve.bench.sweep import DEFAULT_BATCH_SIZES, run_sweep
+from pagedserve.bench.speed import (
+    LongPromptLoad,
+    StepProfile,
+    profile_decode_steps,
+    run_long_prompt_load,
+)
+from pagedserve.bench.speed_sections import SpeedFigures
+from pagedserve.bench.sweep import DEFAULT_BATCH_SIZES, fixed_requests, run_sweep
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.bench.timeline import Segment, run_seed_scenario
 from pagedserve.engine.model_runner import resolve_device
@@ -46,7 +54,15 @@ class ReportConfig:
     dtype: str = "auto"
     plots_dir: Path = Path("docs/bench")
     # Below 64, the size of W1, so that requests wait for seats and the policies differ.
-    w1_batch_size: int = 32
+    w1_batch_size: int = 16
+    # Every W1 request seated at once: the offline figure the HTTP run is compared with.
+    w1_all_seated: int = 64
+    single_stream: tuple[int, int] = (32, 128)  # prompt and output tokens
+    profile_batches: tuple[int, ...] = (1, 64)
+    long_prompt_load: LongPromptLoad = field(default_factory=LongPromptLoad)
+    # The per-step token budget with chunked prefill in the long-prompt benchmark: small enough
+    # that a step with a prompt chunk costs at most a few decode steps on this CPU.
+    chunked_budget: int = 128
     # transformers' generate is too slow here for all of W1 (about 10 minutes at batch 32), so
     # it runs W1's first requests, as one batch, beside our engine on the same ones.
     baseline_requests: int = 8
@@ -123,6 +139,17 @@ def _measure_and_render(
     )
     segments = stages.run("seed timeline", partial(_seed_timelines, engine_args))
     serve = stages.run("bench serve", partial(_serve_run, config, setup, batch))
+    speed = SpeedFigures(
+        all_seated=stages.run(
+            "W1 all seated", partial(_w1_run, config, requests, "continuous", config.w1_all_seated)
+        ),
+        http=stages.run("W1 over HTTP", partial(_w1_http_run, config, requests)),
+        single_stream=stages.run("single stream", partial(_single_stream_run, config)),
+        profiles=stages.run("step profiles", partial(_profile_runs, config)),
+        long_prompts=stages.run("long prompts", partial(_long_prompt_runs, config)),
+        baseline=baseline,
+        policies=runs,
+    )
     prefix = stages.run(
         "prefix caching", partial(sections.prefix_caching, config.model, config.dtype)
     )
@@ -138,7 +165,7 @@ def _measure_and_render(
             sections.seed_timeline(context, segments),
             sections.serving(context, serve, config, batch),
             prefix,
-            sections.speed_targets(),
+            speed_sections.speed_targets(context, speed, config),
         ]
     )
     raw = {
@@ -148,15 +175,51 @@ def _measure_and_render(
         "transformers_baseline": [run.summary() for run in baseline],
         "sweep": points,
         "serve": serve,
+        "speed": speed.as_dict(),
     }
     return body, raw
 
 
-def _w1_run(config: ReportConfig, requests: list[BenchRequest], policy: str) -> OfflineRun:
+def _w1_run(
+    config: ReportConfig, requests: list[BenchRequest], policy: str, seats: int | None = None
+) -> OfflineRun:
     work = partial(run_engine, requests=requests)
     return with_fresh_llm(
-        config.engine_args, work, max_num_seqs=config.w1_batch_size, scheduler=policy
+        config.engine_args, work, max_num_seqs=seats or config.w1_batch_size, scheduler=policy
     )
+
+
+def _w1_http_run(config: ReportConfig, requests: list[BenchRequest]) -> dict:
+    """All of W1 streamed at once to a server with every request seated; the summary gains the
+    server's peak resident memory."""
+    with _server(config, config.w1_all_seated) as server:
+        serve_config = ServeConfig(Target(server.base_url), progress=False)
+        summary = run_serve_benchmark(serve_config, requests)
+        summary["server_peak_rss_bytes"] = server.peak_rss_bytes()
+    return summary
+
+
+def _single_stream_run(config: ReportConfig) -> dict:
+    prompt_len, output_len = config.single_stream
+    requests = fixed_requests(1, prompt_len, output_len)
+    work = partial(run_engine, requests=requests)
+    return with_fresh_llm(config.engine_args, work, max_num_seqs=1).summary()
+
+
+def _profile_runs(config: ReportConfig) -> list[StepProfile]:
+    def work(llm) -> list[StepProfile]:
+        return [profile_decode_steps(llm, batch) for batch in config.profile_batches]
+
+    return with_fresh_llm(config.engine_args, work, max_num_seqs=max(config.profile_batches))
+
+
+def _long_prompt_runs(config: ReportConfig) -> list[dict]:
+    """The same load without chunked prefill, then with it under config.chunked_budget."""
+    work = partial(run_long_prompt_load, load=config.long_prompt_load)
+    return [
+        with_fresh_llm(config.engine_args, work, enable_chunked_prefill=False),
+        with_fresh_llm(config.engine_args, work, max_num_batched_tokens=config.chunked_budget),
+    ]
 
 
 def _baseline_runs(config: ReportConfig) -> list[OfflineRun]:
@@ -171,12 +234,19 @@ def _seed_timelines(engine_args: dict) -> dict[str, list[Segment]]:
 
 def _serve_run(config: ReportConfig, setup: EngineSetup, batch: int) -> dict:
     requests = build_requests(config.serve_dataset, load_tokenizer(setup.model_dir))
-    serve_args = ["--max-num-seqs", str(batch), "--dtype", config.dtype]
+    with _server(config, batch) as server:
+        serve_config = ServeConfig(
+            Target(server.base_url),
+            request_rate=config.serve_rate,
+            slo=config.serve_slo,
+            progress=False,
+        )
+        return run_serve_benchmark(serve_config, requests)
+
+
+def _server(config: ReportConfig, max_num_seqs: int) -> LocalServer:
+    serve_args = ["--max-num-seqs", str(max_num_seqs), "--dtype", config.dtype]
     if config.model is not None:
         serve_args += ["--model", config.model]
     env = None if config.threads is None else {"OMP_NUM_THREADS": str(config.threads)}
-    with local_server(serve_args, env) as base_url:
-        serve_config = ServeConfig(
-            Target(base_url), request_rate=config.serve_rate, slo=config.serve_slo, progress=False
-        )
-        return run_serve_benchmark(serve_config, requests)
+    return LocalServer(serve_args, env)

@@ -3,7 +3,6 @@ the prefix-caching benchmark, which another module owns)."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -12,11 +11,10 @@ from pagedserve.bench import plots
 from pagedserve.bench.ceilings import Ceilings, machine_description
 from pagedserve.bench.metrics import QUANTILES
 from pagedserve.bench.offline import EngineSetup, OfflineRun
+from pagedserve.bench.prefix_caching import format_markdown, run_prefix_caching_benchmark
 from pagedserve.bench.sweep import largest_meeting
-from pagedserve.bench.tables import markdown_table, serve_table
+from pagedserve.bench.tables import markdown_table, serve_table, sweep_table
 from pagedserve.bench.timeline import HELD, Segment
-
-NOT_YET_MEASURED = "Not yet measured."
 
 
 @dataclass
@@ -326,27 +324,6 @@ def sweep(context: Context, points: list[dict], config) -> str:
     slo = config.sweep_slo
     best = largest_meeting(points, slo)
     plots.sweep_plot(points, slo, best, context.plots_dir / "sweep.png")
-    header = [
-        "max_num_seqs",
-        "output tokens/s",
-        "of ideal",
-        "TTFT p50 (ms)",
-        "TTFT p99 (ms)",
-        "TPOT p50 (ms)",
-        "TPOT p99 (ms)",
-    ]
-    rows = [
-        [
-            p["batch_size"],
-            p["output_throughput"],
-            _fraction(context, p["total_token_throughput"], p["batch_size"]),
-            p["ttft_ms"]["p50"],
-            p["ttft_ms"]["p99"],
-            p["tpot_ms"]["p50"],
-            p["tpot_ms"]["p99"],
-        ]
-        for p in points
-    ]
     limits = " and ".join(f"p99 {k.upper()} <= {v:g} ms" for k, v in slo.as_dict().items())
     verdict = f"No batch size meets {limits} on this machine."
     if best is not None:
@@ -370,7 +347,10 @@ def sweep(context: Context, points: list[dict], config) -> str:
             f"pagedserve bench sweep --batch-sizes {sizes} --prompt-len {prompt_len} "
             f"--output-len {output_len} --slo {slo_arg}"
         ),
-        markdown_table(header, rows),
+        sweep_table(
+            points,
+            lambda p: _fraction(context, p["total_token_throughput"], p["batch_size"]),
+        ),
         verdict,
         context.image("sweep.png", "Throughput against TPOT and TTFT as max_num_seqs grows"),
     )
@@ -447,14 +427,4 @@ def _ttft_comparison(summary: dict) -> str:
 
 
 def prefix_caching(model: str | None, dtype: str) -> str:
-    """The section another module provides; a placeholder until that module exists."""
-    try:
-        module = importlib.import_module("pagedserve.bench.prefix_caching")
-    except ImportError:
-        return f"## Prefix caching\n\n{NOT_YET_MEASURED}\n"
-    return module.format_markdown(module.run_prefix_caching_benchmark(model=model, dtype=dtype))
-
-
-def speed_targets() -> str:
-    """Engine speed targets (issue #6) will report here."""
-    return "## Engine speed targets\n\nNot yet measured (issue #6).\n"
+    return format_markdown(run_prefix_caching_benchmark(model=model, dtype=dtype))

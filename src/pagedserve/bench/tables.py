@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pagedserve.bench.metrics import LATENCIES, QUANTILES
 
@@ -83,24 +83,16 @@ def offline_table(runs: list[dict]) -> str:
     return markdown_table(header, rows)
 
 
-def sweep_table(points: list[dict]) -> str:
-    header = [
-        "max_num_seqs",
-        "output tokens/s",
-        "TTFT p50 (ms)",
-        "TTFT p99 (ms)",
-        "TPOT p50 (ms)",
-        "TPOT p99 (ms)",
-    ]
-    rows = [
-        [
-            p["batch_size"],
-            p["output_throughput"],
-            p["ttft_ms"]["p50"],
-            p["ttft_ms"]["p99"],
-            p["tpot_ms"]["p50"],
-            p["tpot_ms"]["p99"],
-        ]
-        for p in points
-    ]
+def sweep_table(points: list[dict], of_ideal: Callable[[dict], str] | None = None) -> str:
+    """One row per batch size; of_ideal, when given, adds a column with each point's throughput
+    as a fraction of the machine's ideal."""
+    header = ["max_num_seqs", "output tokens/s"]
+    header += ["of ideal"] if of_ideal else []
+    header += ["TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)"]
+    rows = []
+    for p in points:
+        row = [p["batch_size"], p["output_throughput"]]
+        row += [of_ideal(p)] if of_ideal else []
+        latencies = (p["ttft_ms"], p["tpot_ms"])
+        rows.append(row + [latency[q] for latency in latencies for q in ("p50", "p99")])
     return markdown_table(header, rows)

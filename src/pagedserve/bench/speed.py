@@ -1,0 +1,175 @@
+"""In-process speed measurements behind the engine's speed targets: where a decode step's time
+goes at a given batch size, and the inter-token latency of running streams while long prompts
+arrive (with and without chunked prefill)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from torch.profiler import ProfilerActivity, profile
+
+from pagedserve.bench.datasets import BenchRequest
+from pagedserve.bench.metrics import RequestResult, summarize
+from pagedserve.bench.offline import greedy_params, warm_up
+from pagedserve.bench.sweep import fixed_requests
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.llm import LLM
+
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")
+
+
+@dataclass
+class StepProfile:
+    """One decode step at a batch size: wall time, the engine's own phase timers, and the
+    operators that took the most time in a profiled repeat of the same steps."""
+
+    batch: int
+    context_len: int  # tokens per sequence at the first profiled step
+    step_ms: float
+    phase_ms: dict[str, float]  # per step, from engine.phase_timer
+    top_ops_ms: list[tuple[str, float]]  # per step, from torch.profiler (self time)
+    profiled_step_ms: float  # per step under the profiler, which adds its own overhead
+
+    @property
+    def overhead_share(self) -> float:
+        """The part of a step spent outside the model forward."""
+        total = sum(self.phase_ms.values())
+        return (total - self.phase_ms["forward"]) / total
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"overhead_share": self.overhead_share}
+
+
+def profile_decode_steps(
+    llm: LLM, batch: int, prompt_len: int = 32, steps: int = 8, top: int = 8
+) -> StepProfile:
+    """Seats `batch` requests, computes their prompts, then times `steps` decode steps with the
+    phase timers and `steps` more under torch.profiler."""
+    warm_up(llm)
+    engine = llm.engine
+    requests = fixed_requests(batch, prompt_len, output_len=2 * steps + 2)
+    _submit(engine, requests)
+    while engine.scheduler.waiting or _prefilling(engine):
+        engine.step()
+    timer = engine.phase_timer
+    before = dict(timer.seconds)
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = 1000 * (time.perf_counter() - started) / steps
+    phase_ms = {
+        phase: 1000 * (timer.seconds.get(phase, 0.0) - before.get(phase, 0.0)) / steps
+        for phase in STEP_PHASES
+    }
+    with profile(activities=_profiler_activities(engine)) as profiler:
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        profiled_step_ms = 1000 * (time.perf_counter() - started) / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    return StepProfile(
+        batch,
+        prompt_len + 1,
+        step_ms,
+        phase_ms,
+        _top_ops(profiler, engine, steps, top),
+        profiled_step_ms,
+    )
+
+
+def _prefilling(engine: LLMEngine) -> bool:
+    return any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running)
+
+
+def _submit(engine: LLMEngine, requests: list[BenchRequest]) -> list[str]:
+    return [
+        engine.add_request({"prompt_token_ids": r.prompt_token_ids}, params)
+        for r, params in zip(requests, greedy_params(requests), strict=True)
+    ]
+
+
+def _profiler_activities(engine: LLMEngine) -> list[ProfilerActivity]:
+    if engine.runner.device.type == "cuda":
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    return [ProfilerActivity.CPU]
+
+
+def _top_ops(profiler, engine: LLMEngine, steps: int, top: int) -> list[tuple[str, float]]:
+    """The operators with the most self time, in ms per step (device time on a GPU)."""
+    on_gpu = engine.runner.device.type == "cuda"
+    events = profiler.key_averages()
+
+    def self_us(event) -> float:
+        return event.self_device_time_total if on_gpu else event.self_cpu_time_total
+
+    ranked = sorted(events, key=self_us, reverse=True)
+    return [(event.key, self_us(event) / 1000 / steps) for event in ranked[:top]]
+
+
+@dataclass
+class LongPromptLoad:
+    """Streams decoding while long prompts arrive: the load that chunked prefill is for."""
+
+    streams: int = 32
+    stream_prompt_len: int = 32
+    stream_output_len: int = 128
+    long_prompt_len: int = 2000
+    long_output_len: int = 8
+    long_arrivals_s: tuple[float, ...] = (2.0, 7.0, 12.0)
+
+
+def run_long_prompt_load(llm: LLM, load: LongPromptLoad) -> dict:
+    """Drives the engine as the server's engine thread does (arrivals are added before each
+    step) and times every token as the step that produced it returns. Returns the summaries
+    (see metrics.summarize) of the streams and of the long prompts."""
+    warm_up(llm)
+    engine = llm.engine
+    streams = fixed_requests(load.streams, load.stream_prompt_len, load.stream_output_len)
+    arrivals = list(
+        zip(
+            load.long_arrivals_s,
+            fixed_requests(
+                len(load.long_arrivals_s), load.long_prompt_len, load.long_output_len, seed=1
+            ),
+            strict=True,
+        )
+    )
+    results: dict[str, RequestResult] = {}
+    started = time.perf_counter()
+    stream_ids = _submit_timed(engine, streams, results)
+    long_ids: list[str] = []
+    while arrivals or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        while arrivals and started + arrivals[0][0] <= now:
+            long_ids += _submit_timed(engine, [arrivals.pop(0)[1]], results)
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, started + arrivals[0][0] - now))
+            continue
+        outputs = engine.step()
+        done_at = time.perf_counter()
+        for output in outputs:
+            result = results[output.request_id]
+            if output.new_token_ids:
+                result.token_times.append(done_at)
+            if output.final is not None:
+                result.end = done_at
+                result.output_tokens = len(output.final.outputs[0].token_ids)
+    duration = time.perf_counter() - started
+    return {
+        "streams": summarize([results[i] for i in stream_ids], duration),
+        "long_prompts": summarize([results[i] for i in long_ids], duration),
+        "chunked_prefill": engine.config.enable_chunked_prefill,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+    }
+
+
+def _submit_timed(
+    engine: LLMEngine, requests: list[BenchRequest], results: dict[str, RequestResult]
+) -> list[str]:
+    now = time.perf_counter()
+    ids = _submit(engine, requests)
+    for request_id, request in zip(ids, requests, strict=True):
+        results[request_id] = RequestResult(start=now, prompt_tokens=request.prompt_len)
+    return ids
