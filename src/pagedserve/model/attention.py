@@ -18,7 +18,6 @@ from torch import nn
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding
 
-
 # More than any table's length in blocks can need (2**64 blocks).
 _CONTEXT_BUCKETS = 64
 
@@ -189,10 +188,9 @@ class PagedAttention(nn.Module):
             rows = q.view(num_seqs, self.num_kv_heads, group_size, self.head_dim)
             out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=group.attn_mask)
             return out.reshape(num_seqs, self.num_heads, self.head_dim)
-        else:
-            grid = q.new_zeros(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
-            grid.index_copy_(0, group.query_slots, q)
-            grid = grid.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
+        grid = q.new_zeros(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
+        grid.index_copy_(0, group.query_slots, q)
+        grid = grid.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
             grid.transpose(1, 2),
             keys,
@@ -200,8 +198,6 @@ class PagedAttention(nn.Module):
             attn_mask=group.attn_mask,
             enable_gqa=self.num_heads != self.num_kv_heads,
         ).transpose(1, 2)
-        if group.query_slots is None:
-            return out.squeeze(1)
         return out.reshape(-1, self.num_heads, self.head_dim)[group.query_slots]
 
     def _gather(self, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

@@ -6,17 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The row count oneDNN lays packed weights out for. Measured on the 2-core AVX2 machine with the
-# default model's 30 layers: 1.2-1.5x faster than F.linear from 2 to 200 rows, even at 1 row.
+# The row count oneDNN lays packed weights out for; it serves every other count too. Decode steps
+# of the default model on the 2-core AVX2 machine, packed against F.linear: 1.7x faster at batch 4,
+# 1.2x at 16 and 64, as fast at batch 1.
 PACKING_ROWS = 64
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight ([out, in]) reordered once into oneDNN's blocked layout for `packed_linear`.
-
-    F.linear hands CPU products to a GEMM that re-lays the weight out on every call; packing once
-    at load time saves that on every step.
-    """
+    """weight ([out, in]) reordered once, at load time, into oneDNN's blocked layout for
+    `packed_linear`, instead of the GEMM under F.linear working from the checkpoint layout on
+    every call."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS)
 
 
