@@ -390,3 +390,6 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert raw["speed"]["w1_http"]["total_output_tokens"] == 8632
     assert raw["speed"]["w1_all_seated"]["output_tokens"] == 8632
     assert [p["batch"] for p in raw["speed"]["step_profiles"]] == [1, 4]
+    alone = raw["speed"]["single_stream"]
+    assert [run["name"] for run in alone] == ["continuous", "transformers"]
+    assert [run["output_tokens"] for run in alone] == [8, 8]

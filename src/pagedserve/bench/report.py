@@ -199,11 +199,12 @@ def _w1_http_run(config: ReportConfig, requests: list[BenchRequest]) -> dict:
     return summary
 
 
-def _single_stream_run(config: ReportConfig) -> dict:
+def _single_stream_run(config: ReportConfig) -> list[dict]:
+    """One request alone through our engine, then through transformers' generate."""
     prompt_len, output_len = config.single_stream
     requests = fixed_requests(1, prompt_len, output_len)
-    work = partial(run_engine, requests=requests)
-    return with_fresh_llm(config.engine_args, work, max_num_seqs=1).summary()
+    engine_args = {**config.engine_args, "max_num_seqs": 1}
+    return [run.summary() for run in run_throughput(engine_args, requests, "transformers")]
 
 
 def _profile_runs(config: ReportConfig) -> list[StepProfile]:

@@ -15,7 +15,7 @@ from pagedserve.bench.tables import markdown_table
 class SpeedFigures:
     all_seated: OfflineRun  # W1 offline with every request seated
     http: dict  # W1 through the server, all streamed at once (bench serve summary + RSS)
-    single_stream: dict  # OfflineRun summary of one request
+    single_stream: list[dict]  # one request alone: ours, then transformers (OfflineRun summaries)
     profiles: list[StepProfile]
     long_prompts: list[dict]  # without, then with chunked prefill
     baseline: list[OfflineRun]  # ours, then transformers, on W1's first requests
@@ -78,7 +78,8 @@ def _targets(context: Context, figures: SpeedFigures, config) -> list[_Target]:
     http_e2e = http["e2e_ms"]["p50"] / 1000
     policy_ratio = continuous["output_throughput"] / static["output_throughput"]
     e2e_ratio = continuous["e2e_ms"]["p50"] / static["e2e_ms"]["p50"]
-    decode_rate = _decode_tokens_per_s(figures.single_stream)
+    decode_rate = _decode_tokens_per_s(figures.single_stream[0])
+    ours_alone, transformers_alone = figures.single_stream
     bandwidth_bound = _bandwidth_bound(context)
     by_batch = {profile.batch: profile for profile in figures.profiles}
     largest = by_batch[max(by_batch)]
@@ -130,7 +131,8 @@ def _targets(context: Context, figures: SpeedFigures, config) -> list[_Target]:
             "single stream ({} + {} tokens): decode tokens/s".format(*config.single_stream),
             ">= 130",
             f"{decode_rate:.1f} ({100 * decode_rate / bandwidth_bound:.0f}% of the "
-            f"{bandwidth_bound:.1f} tokens/s bandwidth bound)",
+            f"{bandwidth_bound:.1f} tokens/s bandwidth bound); whole request "
+            f"{_ratio(ours_alone, transformers_alone)} transformers' `generate`",
             decode_rate >= 130,
         ),
         _Target(
@@ -240,20 +242,32 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
 
 
 def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
-    summary = figures.single_stream
+    ours, transformers = figures.single_stream
     prompt_len, output_len = config.single_stream
-    rate, bound = _decode_tokens_per_s(summary), _bandwidth_bound(context)
+    rate, bound = _decode_tokens_per_s(ours), _bandwidth_bound(context)
+    header = ["one request alone", "output tokens/s, whole request", "E2E (s)"]
+    rows = [
+        [run["name"], run["output_throughput"], run["e2e_ms"]["p50"] / 1000]
+        for run in (ours, transformers)
+    ]
     return "\n\n".join(
         [
             "### Single stream",
             f"One request of {prompt_len} prompt and {output_len} output tokens, alone "
-            f"(`max_num_seqs 1`). TTFT {summary['ttft_ms']['p50']:.0f} ms; TPOT "
-            f"{summary['tpot_ms']['p50']:.1f} ms, that is **{rate:.1f} decode tokens/s**, "
+            f"(`max_num_seqs 1`). TTFT {ours['ttft_ms']['p50']:.0f} ms; TPOT "
+            f"{ours['tpot_ms']['p50']:.1f} ms, that is **{rate:.1f} decode tokens/s**, "
             f"{100 * rate / bound:.0f}% of the bandwidth-bound ceiling of {bound:.1f} tokens/s "
             f"({context.setup.cost.weight_bytes / 2**20:.0f} MiB of weights read per step at the "
-            f"measured {context.ceilings.bandwidth_gbs:.1f} GB/s).",
+            f"measured {context.ceilings.bandwidth_gbs:.1f} GB/s). The same request through "
+            "transformers' `generate` in the same run, timed whole (prompt included), beside "
+            "ours timed the same way:",
+            markdown_table(header, rows),
         ]
     )
+
+
+def _ratio(ours: dict, other: dict) -> str:
+    return f"{ours['output_throughput'] / other['output_throughput']:.2f}x"
 
 
 def _step_profiles(profiles: list[StepProfile]) -> str:
