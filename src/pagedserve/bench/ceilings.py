@@ -37,10 +37,18 @@ class ModelCost:
     weight_bytes: int  # read once per decode step
     flops_per_token: float
 
+    def compute_bound_tokens_per_s(self, ceilings: Ceilings, dtype: str) -> float:
+        return 1e9 * ceilings.matmul_gflops[dtype] / self.flops_per_token
+
+    def bandwidth_bound_tokens_per_s(self, ceilings: Ceilings) -> float:
+        """Tokens/s of one stream that reads every weight once per token."""
+        return 1e9 * ceilings.bandwidth_gbs / self.weight_bytes
+
     def ideal_tokens_per_s(self, ceilings: Ceilings, dtype: str, batch: int) -> float:
-        compute = 1e9 * ceilings.matmul_gflops[dtype] / self.flops_per_token
-        memory = batch * 1e9 * ceilings.bandwidth_gbs / self.weight_bytes
-        return min(compute, memory)
+        return min(
+            self.compute_bound_tokens_per_s(ceilings, dtype),
+            batch * self.bandwidth_bound_tokens_per_s(ceilings),
+        )
 
 
 def _best_seconds(

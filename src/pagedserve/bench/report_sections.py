@@ -93,8 +93,8 @@ def machine(context: Context) -> str:
 def ceilings(context: Context, batch: int) -> str:
     c, cost = context.ceilings, context.setup.cost
     flops = c.matmul_gflops
-    compute = 1e9 * flops[context.dtype] / cost.flops_per_token
-    memory = 1e9 * c.bandwidth_gbs / cost.weight_bytes
+    compute = cost.compute_bound_tokens_per_s(c, context.dtype)
+    memory = cost.bandwidth_bound_tokens_per_s(c)
     rows = [
         ["matmul, float32 (1024 x 1024)", f"{flops['float32']:.1f} GFLOP/s"],
         ["matmul, bfloat16 (1024 x 1024)", f"{flops['bfloat16']:.1f} GFLOP/s"],
@@ -274,8 +274,13 @@ def _join(*parts: str) -> str:
     return "\n\n".join(part.strip("\n") for part in parts) + "\n"
 
 
+def output_ratio(ours: dict, other: dict) -> float:
+    """Output tokens/s of one run summary over another's."""
+    return ours["output_throughput"] / other["output_throughput"]
+
+
 def _ratio(ours: dict, other: dict) -> str:
-    return f"{ours['output_throughput'] / other['output_throughput']:.2f}x"
+    return f"{output_ratio(ours, other):.2f}x"
 
 
 def _e2e(summary: dict, quantile: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.bench.offline import OfflineRun
-from pagedserve.bench.report_sections import Context
+from pagedserve.bench.report_sections import Context, output_ratio
 from pagedserve.bench.speed import STEP_PHASES, StepProfile
 from pagedserve.bench.tables import markdown_table
 
@@ -72,11 +72,11 @@ def _targets(context: Context, figures: SpeedFigures, config) -> list[_Target]:
     seated = figures.all_seated.summary()
     continuous, static = (run.summary() for run in figures.policies)
     http = figures.http
-    hf_ratio = ours_first["output_throughput"] / transformers["output_throughput"]
+    hf_ratio = output_ratio(ours_first, transformers)
     of_ideal = seated["total_token_throughput"] / context.ideal(figures.all_seated.batch_size)
-    http_ratio = http["output_throughput"] / seated["output_throughput"]
+    http_ratio = output_ratio(http, seated)
     http_e2e = http["e2e_ms"]["p50"] / 1000
-    policy_ratio = continuous["output_throughput"] / static["output_throughput"]
+    policy_ratio = output_ratio(continuous, static)
     e2e_ratio = continuous["e2e_ms"]["p50"] / static["e2e_ms"]["p50"]
     decode_rate = _decode_tokens_per_s(figures.single_stream[0])
     ours_alone, transformers_alone = figures.single_stream
@@ -132,7 +132,7 @@ def _targets(context: Context, figures: SpeedFigures, config) -> list[_Target]:
             ">= 130",
             f"{decode_rate:.1f} ({100 * decode_rate / bandwidth_bound:.0f}% of the "
             f"{bandwidth_bound:.1f} tokens/s bandwidth bound); whole request "
-            f"{_ratio(ours_alone, transformers_alone)} transformers' `generate`",
+            f"{output_ratio(ours_alone, transformers_alone):.2f}x transformers' `generate`",
             decode_rate >= 130,
         ),
         _Target(
@@ -166,14 +166,11 @@ def _decode_tokens_per_s(summary: dict) -> float:
 
 
 def _bandwidth_bound(context: Context) -> float:
-    """Tokens/s of one stream that reads every weight once per token at the measured bandwidth."""
-    return 1e9 * context.ceilings.bandwidth_gbs / context.setup.cost.weight_bytes
+    return context.setup.cost.bandwidth_bound_tokens_per_s(context.ceilings)
 
 
 def _rss_limit(context: Context) -> int:
-    layout = context.setup.kv_layout
-    kv_bytes = layout.num_blocks * layout.block_size * layout.bytes_per_token
-    return context.setup.cost.weight_bytes + kv_bytes + 2**30
+    return context.setup.cost.weight_bytes + context.setup.kv_layout.budget_bytes + 2**30
 
 
 def _gib(num_bytes: float) -> str:
@@ -219,7 +216,7 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
         f"The server's peak resident memory (VmHWM) during the run: {_gib(rss)}, against "
         f"{context.setup.cost.weight_bytes / 2**20:.0f} MiB of weights and a KV budget of "
         f"{layout.num_blocks} blocks of {layout.block_size} tokens "
-        f"({_gib(layout.num_blocks * layout.block_size * layout.bytes_per_token)}), both "
+        f"({_gib(layout.budget_bytes)}), both "
         "printed by the server at start."
     )
     if rss is None:
@@ -264,10 +261,6 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             markdown_table(header, rows),
         ]
     )
-
-
-def _ratio(ours: dict, other: dict) -> str:
-    return f"{ours['output_throughput'] / other['output_throughput']:.2f}x"
 
 
 def _step_profiles(profiles: list[StepProfile]) -> str:

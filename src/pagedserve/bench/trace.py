@@ -35,6 +35,10 @@ class KvLayout:
     num_blocks: int
     max_model_len: int
 
+    @property
+    def budget_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
     @classmethod
     def of(cls, engine: LLMEngine) -> KvLayout:
         return cls(
