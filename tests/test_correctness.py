@@ -81,3 +81,15 @@ def test_packed_and_plain_weights_match_transformers(architecture, tiny_checkpoi
     assert plain.engine.runner.model.layers[0].self_attn.qkv_proj.packed_weight is None
     assert _generate(packed) == references(architecture)
     assert _generate(plain) == references(architecture)
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "qwen3"])
+def test_both_decode_attention_paths_match_transformers(architecture, tiny_checkpoint, references):
+    """On CPU decodes read the cache in place in C++; elsewhere (and with --no-decode-kernel)
+    they gather blocks for SDPA. Mistral's sliding window and Qwen3's head_dim of 24 test both."""
+    in_place = LLM(str(tiny_checkpoint(architecture)), dtype="float32")
+    gathered = LLM(str(tiny_checkpoint(architecture)), dtype="float32", decode_kernel=False)
+    assert in_place.engine.runner.decode_in_place
+    assert not gathered.engine.runner.decode_in_place
+    assert _generate(in_place) == references(architecture)
+    assert _generate(gathered) == references(architecture)

@@ -38,6 +38,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="keep float32 CPU weights in their checkpoint layout (F.linear)",
     )
+    group.add_argument(
+        "--no-decode-kernel",
+        dest="decode_kernel",
+        action="store_false",
+        help="on CPU, gather cached blocks for SDPA instead of the C++ decode attention",
+    )
     group.add_argument("--seed", type=int, default=defaults["seed"])
 
 

@@ -27,6 +27,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Float32 on CPU: linear weights reordered once for oneDNN (pagedserve.model.layers).
     pack_weights: bool = True
+    # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
+    decode_kernel: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
 from pagedserve.model.checkpoint import load_model
+from pagedserve.model.kernels import paged_decode_attention
 from pagedserve.model.layers import can_pack_linear_weights
 from pagedserve.model.sampler import (
     LogprobsRequest,
@@ -54,6 +55,11 @@ class ModelRunner:
         if config.pack_weights and can_pack_linear_weights(self.device, self.dtype):
             self.model.pack_linear_weights()
         self.model_config = self.model.config
+        self.decode_in_place = (
+            config.decode_kernel
+            and self.device.type == "cpu"
+            and paged_decode_attention() is not None
+        )
         bytes_per_block = self.model.kv_cache_bytes_per_token() * config.block_size
         self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
         if self.num_blocks < 1:
@@ -97,6 +103,7 @@ class ModelRunner:
             self.block_size,
             self.model_config.sliding_window,
             self.device,
+            self.decode_in_place,
         )
         input_tensor = torch.tensor(input_ids, device=self.device)
         timer.lap("prepare")

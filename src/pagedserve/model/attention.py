@@ -5,6 +5,9 @@ per layer, one per group of sequences with similar query lengths, so a long chun
 decode or short chunk to its length. Within a call the packed queries are scattered into a
 [sequences, longest query] grid, each sequence's keys and values are gathered from its blocks, and
 a mask enforces causality, each sequence's own length and the sliding window.
+
+On the CPU, single-token decodes skip the gather: the C++ kernel of pagedserve.model.kernels reads
+their keys and values in place through the block tables, all decodes of a step in one call.
 """
 
 from __future__ import annotations
@@ -29,8 +32,16 @@ class AttentionGroup:
     token_index: torch.Tensor | None  # [group tokens] rows of the packed step; None: all rows
     block_tables: torch.Tensor  # [sequences, blocks] padded with block 0, masked out
     query_slots: torch.Tensor | None  # [group tokens] index into the query grid; None: 1 each
-    attn_mask: torch.Tensor  # [sequences, 1, longest query, keys] True where attention is allowed
+    attn_mask: torch.Tensor | None  # [sequences, 1, longest query, keys] True where allowed
     max_query_len: int
+    context_lens: torch.Tensor  # [sequences] tokens in each sequence's cache after the step
+    in_place: bool = False  # decodes for the C++ kernel: no gather, no mask
+
+    @classmethod
+    def in_place_decodes(
+        cls, context_lens: torch.Tensor, tables: torch.Tensor, token_index: torch.Tensor | None
+    ) -> AttentionGroup:
+        return cls(token_index, tables, None, None, 1, context_lens, in_place=True)
 
     @classmethod
     def build(
@@ -58,7 +69,10 @@ class AttentionGroup:
             starts = torch.cumsum(q_lens, 0) - q_lens
             offsets = torch.arange(len(seq_of_token), device=device) - starts[seq_of_token]
             query_slots = seq_of_token * max_query_len + offsets
-        return cls(token_index, tables, query_slots, allowed.unsqueeze(1), max_query_len)
+        context_lens = first_positions + q_lens
+        return cls(
+            token_index, tables, query_slots, allowed.unsqueeze(1), max_query_len, context_lens
+        )
 
 
 @dataclass
@@ -78,8 +92,10 @@ class AttentionBatch:
         block_size: int,
         sliding_window: int | None,
         device: torch.device,
+        decode_in_place: bool = False,
     ) -> AttentionBatch:
-        """context_lens count each sequence's tokens after this step, the new ones included."""
+        """context_lens count each sequence's tokens after this step, the new ones included.
+        decode_in_place: single-token decodes go to the C++ kernel, as one group."""
         num_seqs = len(query_lens)
         q_lens = torch.tensor(query_lens, device=device)
         first_positions = torch.tensor(context_lens, device=device) - q_lens
@@ -99,6 +115,10 @@ class AttentionBatch:
         def group(rows: list[int], token_index: torch.Tensor | None) -> AttentionGroup:
             width = max(len(block_tables[row]) for row in rows)
             index = torch.tensor(rows, device=device)
+            if decode_in_place and query_lens[rows[0]] == 1:
+                return AttentionGroup.in_place_decodes(
+                    first_positions[index] + 1, tables[index, :width].contiguous(), token_index
+                )
             return AttentionGroup.build(
                 q_lens[index],
                 first_positions[index],
@@ -111,9 +131,11 @@ class AttentionBatch:
         # Sequences are grouped by query length and by context length in powers of two, so
         # padding at most doubles a group's query grid (single-token decodes are never padded)
         # or its keys: one long sequence would otherwise make every short one gather and attend
-        # over its length. Contexts of up to 4 blocks share a group.
+        # over its length. Contexts of up to 4 blocks share a group. In-place decodes pad nothing.
         buckets = [
-            _CONTEXT_BUCKETS * (n - 1).bit_length() + max(0, (len(table) - 1).bit_length() - 2)
+            0
+            if decode_in_place and n == 1
+            else _CONTEXT_BUCKETS * (n - 1).bit_length() + max(0, (len(table) - 1).bit_length() - 2)
             for n, table in zip(query_lens, block_tables, strict=True)
         ]
         rows_by_bucket: dict[int, list[int]] = {}
@@ -136,6 +158,7 @@ class PagedAttention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        self.sliding_window = config.sliding_window
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(
@@ -179,6 +202,16 @@ class PagedAttention(nn.Module):
         return out
 
     def _attend_group(self, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        if group.in_place:
+            return torch.ops.pagedserve.paged_decode_attention(
+                q.contiguous(),
+                self.k_cache,
+                self.v_cache,
+                group.block_tables,
+                group.context_lens,
+                self.head_dim**-0.5,
+                self.sliding_window or 0,
+            )
         num_seqs = group.block_tables.shape[0]
         keys, values = self._gather(self.k_cache, group), self._gather(self.v_cache, group)
         if group.query_slots is None:

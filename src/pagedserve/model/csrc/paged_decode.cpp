@@ -1,0 +1,188 @@
+// Decode attention read straight from the paged KV cache on the CPU.
+//
+// Each sequence has one query token. Its keys and values are read in place through its block
+// table, so no padded copy of the context is made: with a float32 cache the gather that SDPA needs
+// costs as much memory traffic as the attention itself. One task per sequence reads whole cache
+// rows (every KV head of a token), which lie contiguously inside a block.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Query heads of one KV head whose dot products run interleaved: independent accumulators hide
+// the latency of the fused multiply-adds, and each key vector is loaded once for all of them.
+constexpr int64_t kHeadsAtOnce = 8;
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
+  int64_t group() const { return num_heads / num_kv_heads; }
+  int64_t row() const { return num_kv_heads * head_dim; }  // one token's keys or values
+};
+
+template <typename scalar_t>
+const float* as_floats(const scalar_t* source, int64_t n, float* buffer) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return source;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(source[i]);
+    return buffer;
+  }
+}
+
+// scores[h * stride] = query_h . key for n query heads.
+void dot_heads(const float* query, const float* key, int64_t head_dim, int64_t n, float* scores,
+               int64_t stride) {
+  Vec sums[kHeadsAtOnce];
+  for (int64_t h = 0; h < n; ++h) sums[h] = Vec(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= head_dim; d += Vec::size()) {
+    const Vec k = Vec::loadu(key + d);
+    for (int64_t h = 0; h < n; ++h)
+      sums[h] = at::vec::fmadd(Vec::loadu(query + h * head_dim + d), k, sums[h]);
+  }
+  for (int64_t h = 0; h < n; ++h) {
+    float dot = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sums[h]);
+    for (int64_t r = d; r < head_dim; ++r) dot += query[h * head_dim + r] * key[r];
+    scores[h * stride] = dot;
+  }
+}
+
+// out_h += weights[h * stride] * value for n query heads.
+void accumulate_heads(const float* weights, int64_t stride, const float* value, int64_t head_dim,
+                      int64_t n, float* out) {
+  for (int64_t h = 0; h < n; ++h) {
+    const float weight = weights[h * stride];
+    float* o = out + h * head_dim;
+    int64_t d = 0;
+    for (; d + Vec::size() <= head_dim; d += Vec::size())
+      at::vec::fmadd(Vec(weight), Vec::loadu(value + d), Vec::loadu(o + d)).store(o + d);
+    for (; d < head_dim; ++d) o[d] += weight * value[d];
+  }
+}
+
+void softmax_in_place(float* scores, int64_t n) {
+  const float max = at::vec::reduce_all<float>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, scores, n);
+  at::vec::map([max](Vec x) { return (x - Vec(max)).exp_u20(); }, scores, scores, n);
+  const float sum =
+      at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, scores, n);
+  const float inverse = 1.f / sum;
+  at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, scores, scores, n);
+}
+
+template <typename scalar_t>
+const scalar_t* cache_row(const scalar_t* cache, const int64_t* table, int64_t position,
+                          const Shape& shape) {
+  const int64_t block = table[position / shape.block_size];
+  return cache + (block * shape.block_size + position % shape.block_size) * shape.row();
+}
+
+// Buffers of one thread, reused across its sequences.
+struct Workspace {
+  std::vector<float> query, out, scores, converted;
+};
+
+template <typename scalar_t>
+void attend_sequence(const scalar_t* query, const scalar_t* k_cache, const scalar_t* v_cache,
+                     const int64_t* table, int64_t context_len, int64_t first, const Shape& shape,
+                     float scale, Workspace& work, scalar_t* out) {
+  const int64_t group = shape.group(), head_dim = shape.head_dim;
+  const int64_t count = context_len - first;
+  for (int64_t i = 0; i < shape.num_heads * head_dim; ++i)
+    work.query[i] = static_cast<float>(query[i]) * scale;
+  work.scores.resize(shape.num_heads * count);  // [head][token]
+  for (int64_t position = first; position < context_len; ++position) {
+    const scalar_t* row = cache_row(k_cache, table, position, shape);
+    for (int64_t kv = 0; kv < shape.num_kv_heads; ++kv) {
+      const float* key = as_floats(row + kv * head_dim, head_dim, work.converted.data());
+      for (int64_t h = kv * group; h < (kv + 1) * group; h += kHeadsAtOnce) {
+        dot_heads(work.query.data() + h * head_dim, key, head_dim,
+                  std::min(kHeadsAtOnce, (kv + 1) * group - h),
+                  work.scores.data() + h * count + position - first, count);
+      }
+    }
+  }
+  for (int64_t h = 0; h < shape.num_heads; ++h) softmax_in_place(work.scores.data() + h * count, count);
+  std::fill(work.out.begin(), work.out.end(), 0.f);
+  for (int64_t position = first; position < context_len; ++position) {
+    const scalar_t* row = cache_row(v_cache, table, position, shape);
+    for (int64_t kv = 0; kv < shape.num_kv_heads; ++kv) {
+      const float* value = as_floats(row + kv * head_dim, head_dim, work.converted.data());
+      accumulate_heads(work.scores.data() + kv * group * count + position - first, count, value,
+                       head_dim, group, work.out.data() + kv * group * head_dim);
+    }
+  }
+  for (int64_t i = 0; i < shape.num_heads * head_dim; ++i)
+    out[i] = static_cast<scalar_t>(work.out[i]);
+}
+
+// query: [sequences, heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim];
+// block_tables: [sequences, width] int64; context_lens: [sequences] int64, the new token included.
+// A sliding_window above 0 keeps each query's last sliding_window keys.
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale,
+                                  int64_t sliding_window) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query must be 3-d and the caches 4-d");
+  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "paged_decode_attention needs contiguous tensors");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
+  const Shape shape{query.size(1), k_cache.size(2), query.size(2), k_cache.size(1),
+                    block_tables.size(1)};
+  TORCH_CHECK(shape.num_heads % shape.num_kv_heads == 0, "heads must divide into KV heads");
+  TORCH_CHECK(k_cache.size(3) == shape.head_dim && v_cache.sizes() == k_cache.sizes(),
+              "the caches' shape does not match the query's head_dim");
+  TORCH_CHECK(block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0),
+              "block_tables and context_lens need one row per query");
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t seq = 0; seq < query.size(0); ++seq)
+    TORCH_CHECK(lens[seq] >= 1 && lens[seq] <= shape.table_width * shape.block_size,
+                "context length ", lens[seq], " is outside its block table");
+  at::Tensor out = at::empty_like(query);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* keys = k_cache.data_ptr<scalar_t>();
+    const scalar_t* values = v_cache.data_ptr<scalar_t>();
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t per_seq = shape.num_heads * shape.head_dim;
+    at::parallel_for(0, query.size(0), 1, [&](int64_t begin, int64_t end) {
+      Workspace work{std::vector<float>(per_seq), std::vector<float>(per_seq), {},
+                     std::vector<float>(shape.head_dim)};
+      for (int64_t seq = begin; seq < end; ++seq) {
+        const int64_t len = lens[seq];
+        const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+        attend_sequence(q + seq * per_seq, keys, values, tables + seq * shape.table_width, len,
+                        first, shape, static_cast<float>(scale), work, o + seq * per_seq);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve, m) {
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale, int sliding_window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

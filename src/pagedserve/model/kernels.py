@@ -1,0 +1,59 @@
+"""The engine's C++ CPU kernel (csrc/paged_decode.cpp), built on first use by
+torch.utils.cpp_extension and cached by it (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by
+default), so only the first start on a machine pays the build, about a minute."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+
+# at::vec picks its vector width from these macros: the instruction sets ATen dispatches to here,
+# with the flags torch's inductor compiles its own CPU kernels with.
+_VECTOR_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw"],
+    "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2"],
+}
+_X86_FLAGS = ["-mfma", "-mf16c"]
+
+
+@functools.cache
+def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
+    """torch.ops.pagedserve.paged_decode_attention, or None (with a warning) when it cannot be
+    built here, in which case attention gathers blocks for SDPA instead."""
+    _put_ninja_on_path()
+    capability = torch.backends.cpu.get_cpu_capability()
+    vector_flags = [*_VECTOR_FLAGS[capability], *_X86_FLAGS] if capability in _VECTOR_FLAGS else []
+    try:
+        from torch.utils import cpp_extension  # imports setuptools, only needed here
+
+        cpp_extension.load(
+            name="pagedserve_kernels",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", *vector_flags],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except (ImportError, OSError, RuntimeError, subprocess.CalledProcessError) as error:
+        logger.warning("C++ decode attention unavailable, using gather + SDPA: %s", error)
+        return None
+    return torch.ops.pagedserve.paged_decode_attention
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the ninja package installs it beside this Python,
+    which is not on PATH when the virtual environment is not activated."""
+    if shutil.which("ninja") is None:
+        scripts = sysconfig.get_path("scripts")
+        os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
