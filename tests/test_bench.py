@@ -274,13 +274,15 @@ def test_offline_runs_credit_each_request_its_own_tokens(checkpoint, tmp_path):
 
     requests = w1_requests()[:5]
     engine_args = {"model": str(checkpoint), "dtype": "float32", "max_num_seqs": 2}
-    ours, baseline = run_throughput(engine_args, requests, baseline="transformers")
-    for run in (ours, baseline):
-        assert run.batch_size == 2 and len(run.e2e_s) == 5
+    ours, baseline, one_batch = run_throughput(engine_args, requests, "transformers", (2, 5))
+    for run in (ours, baseline, one_batch):
+        assert len(run.e2e_s) == 5
         assert run.prompt_tokens == sum(r.prompt_len for r in requests)
         assert run.output_tokens == sum(r.output_len for r in requests)
+    assert [run.batch_size for run in (ours, baseline, one_batch)] == [2, 2, 5]
     # Request-level batches of 2, 2 and 1: each batch's members share their E2E.
     assert len(set(baseline.e2e_s)) == 3
+    assert len(set(one_batch.e2e_s)) == 1
     assert max(len(record.running) for record in ours.steps) == 2
     assert ours.steps[-1].kv_blocks_used == 0
     assert sum(len(record.released) for record in ours.steps) == 5
@@ -355,6 +357,7 @@ def test_server_reports_its_peak_memory(server):
 
 def test_report_writes_every_section(checkpoint, tmp_path):
     from pagedserve.bench.report import ReportConfig, write_report
+    from pagedserve.bench.report_sections import fastest
     from pagedserve.bench.speed import LongPromptLoad
 
     config = ReportConfig(
@@ -362,6 +365,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         dtype="float32",
         plots_dir=tmp_path / "plots",
         baseline_requests=2,
+        baseline_batch_sizes=(1, 2),
         sweep_batch_sizes=(1, 2),
         sweep_prompt_len=4,
         sweep_output_len=4,
@@ -393,3 +397,6 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     alone = raw["speed"]["single_stream"]
     assert [run["name"] for run in alone] == ["continuous", "transformers"]
     assert [run["output_tokens"] for run in alone] == [8, 8]
+    baseline = raw["transformers_baseline"]
+    assert [run["batch_size"] for run in baseline] == [2, 1, 2]
+    assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report

@@ -64,8 +64,10 @@ class ReportConfig:
     # that a step with a prompt chunk costs at most a few decode steps on this CPU.
     chunked_budget: int = 128
     # transformers' generate is too slow here for all of W1 (about 10 minutes at batch 32), so
-    # it runs W1's first requests, as one batch, beside our engine on the same ones.
-    baseline_requests: int = 8
+    # it runs W1's first requests at each of these batch sizes, beside our engine on the same
+    # requests with as many seats; the fastest is its best request-level batching.
+    baseline_requests: int = 32
+    baseline_batch_sizes: tuple[int, ...] = (8, 16, 32)
     sweep_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     sweep_prompt_len: int = 16
     sweep_output_len: int = 16
@@ -226,7 +228,7 @@ def _long_prompt_runs(config: ReportConfig) -> list[dict]:
 def _baseline_runs(config: ReportConfig) -> list[OfflineRun]:
     requests = w1_requests()[: config.baseline_requests]
     engine_args = {**config.engine_args, "max_num_seqs": config.baseline_requests}
-    return run_throughput(engine_args, requests, baseline="transformers")
+    return run_throughput(engine_args, requests, "transformers", config.baseline_batch_sizes)
 
 
 def _seed_timelines(engine_args: dict) -> dict[str, list[Segment]]:

@@ -1,8 +1,9 @@
 """`pagedserve bench throughput`: a workload through LLM.generate, optionally against
-transformers' generate on the same requests, batch size and dtype."""
+transformers' generate on the same requests and dtype, at our batch size or at others."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 from pagedserve.bench.datasets import BenchRequest
@@ -11,11 +12,16 @@ from pagedserve.bench.offline import OfflineRun, run_engine, with_fresh_llm
 
 
 def run_throughput(
-    engine_args: dict, requests: list[BenchRequest], baseline: str | None = None
+    engine_args: dict,
+    requests: list[BenchRequest],
+    baseline: str | None = None,
+    baseline_batch_sizes: Sequence[int] = (),
 ) -> list[OfflineRun]:
-    """Our run first, then the baseline's when one is asked for."""
+    """Our run first, then the baseline's when one is asked for: one run per batch size in
+    baseline_batch_sizes, or at our max_num_seqs when it is empty."""
     runs = [with_fresh_llm(engine_args, partial(run_engine, requests=requests))]
     if baseline == "transformers":
         ours = runs[0]
-        runs.append(run_transformers(requests, ours.batch_size, ours.setup))
+        for batch_size in baseline_batch_sizes or [ours.batch_size]:
+            runs.append(run_transformers(requests, batch_size, ours.setup))
     return runs
