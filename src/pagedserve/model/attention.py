@@ -34,14 +34,19 @@ class AttentionGroup:
     query_slots: torch.Tensor | None  # [group tokens] index into the query grid; None: 1 each
     attn_mask: torch.Tensor | None  # [sequences, 1, longest query, keys] True where allowed
     max_query_len: int
-    context_lens: torch.Tensor  # [sequences] tokens in each sequence's cache after the step
-    in_place: bool = False  # decodes for the C++ kernel: no gather, no mask
+    # Only for decodes read in place by the C++ kernel, which need no mask: [sequences] tokens
+    # in each sequence's cache, the new one included.
+    context_lens: torch.Tensor | None = None
+
+    @property
+    def in_place(self) -> bool:
+        return self.context_lens is not None
 
     @classmethod
     def in_place_decodes(
         cls, context_lens: torch.Tensor, tables: torch.Tensor, token_index: torch.Tensor | None
     ) -> AttentionGroup:
-        return cls(token_index, tables, None, None, 1, context_lens, in_place=True)
+        return cls(token_index, tables, None, None, 1, context_lens)
 
     @classmethod
     def build(
@@ -69,10 +74,7 @@ class AttentionGroup:
             starts = torch.cumsum(q_lens, 0) - q_lens
             offsets = torch.arange(len(seq_of_token), device=device) - starts[seq_of_token]
             query_slots = seq_of_token * max_query_len + offsets
-        context_lens = first_positions + q_lens
-        return cls(
-            token_index, tables, query_slots, allowed.unsqueeze(1), max_query_len, context_lens
-        )
+        return cls(token_index, tables, query_slots, allowed.unsqueeze(1), max_query_len)
 
 
 @dataclass
