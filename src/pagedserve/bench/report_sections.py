@@ -252,20 +252,21 @@ def transformers_baseline(context: Context, runs: list[OfflineRun]) -> str:
     ours, *theirs = (run.summary() for run in runs)
     best = fastest(theirs)
     count = ours["num_requests"]
-    sizes = ",".join(str(run["batch_size"]) for run in theirs)
+    sizes = [str(run["batch_size"]) for run in theirs]
     return _join(
         "## Against transformers' `generate`",
         "transformers' `generate` with request-level batching takes about ten minutes for all "
         f"of W1 on this machine, more than `make bench` can give it, so it runs W1's first "
         f"{count} requests ({ours['prompt_tokens']} prompt and {ours['output_tokens']} output "
-        f"tokens) at batch sizes {sizes.replace(',', ', ')}, beside our engine on the same "
+        f"tokens) at batch sizes {', '.join(sizes)}, beside our engine on the same "
         f"requests with `max_num_seqs {count}`, in the same dtype. `generate` gets the prompts "
         "left-padded and runs until the batch's longest output is done; each request is "
         "credited only with its own tokens, and its E2E is its batch's end, when `generate` "
         "hands results back.",
         _code(
             f"pagedserve bench throughput --dataset w1 --num-prompts {count} "
-            f"--max-num-seqs {count} --baseline transformers --baseline-batch-sizes {sizes}"
+            f"--max-num-seqs {count} --baseline transformers "
+            f"--baseline-batch-sizes {','.join(sizes)}"
         ),
         _offline_rows(context, runs),
         f"Our engine: **{_ratio(ours, best)}** the output tokens/s of transformers' `generate` "
