@@ -35,6 +35,7 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
     _put_ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()
     vector_flags = [*_VECTOR_FLAGS[capability], *_X86_FLAGS] if capability in _VECTOR_FLAGS else []
+    logger.info("loading the C++ decode attention (the first start on a machine builds it)")
     try:
         from torch.utils import cpp_extension  # imports setuptools, only needed here
 
