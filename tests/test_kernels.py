@@ -67,3 +67,5 @@ def test_decode_attention_rejects_mismatched_inputs():
         kernel(torch.zeros(1, 4, 8), cache, cache, tables.int(), lens, 1.0, 0)
     with pytest.raises(RuntimeError, match="outside its block table"):
         kernel(torch.zeros(1, 4, 8), cache, cache, tables, lens + 4, 1.0, 0)
+    with pytest.raises(RuntimeError, match="block 4 is not in the cache"):
+        kernel(torch.zeros(1, 4, 8), cache, cache, tables + 4, lens, 1.0, 0)

@@ -129,7 +129,8 @@ void attend_sequence(const scalar_t* query, const scalar_t* k_cache, const scala
       }
     }
   }
-  for (int64_t h = 0; h < shape.num_heads; ++h) softmax_in_place(work.scores.data() + h * count, count);
+  for (int64_t h = 0; h < shape.num_heads; ++h)
+    softmax_in_place(work.scores.data() + h * count, count);
   std::fill(work.out.begin(), work.out.end(), 0.f);
   for (int64_t position = first; position < context_len; ++position) {
     const scalar_t* row = cache_row(v_cache, table, position, shape);
@@ -164,16 +165,23 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
               "the caches' shape does not match the query's head_dim");
   TORCH_CHECK(block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0),
               "block_tables and context_lens need one row per query");
+  // The kernel reads wherever the tables point, so every block it will read is checked first.
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t seq = 0; seq < query.size(0); ++seq)
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t seq = 0; seq < query.size(0); ++seq) {
     TORCH_CHECK(lens[seq] >= 1 && lens[seq] <= shape.table_width * shape.block_size,
                 "context length ", lens[seq], " is outside its block table");
+    const int64_t* table = tables + seq * shape.table_width;
+    for (int64_t i = 0; i < (lens[seq] + shape.block_size - 1) / shape.block_size; ++i)
+      TORCH_CHECK(table[i] >= 0 && table[i] < k_cache.size(0), "block ", table[i],
+                  " is not in the cache");
+  }
   at::Tensor out = at::empty_like(query);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+  const auto dtype = query.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_decode", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* keys = k_cache.data_ptr<scalar_t>();
     const scalar_t* values = v_cache.data_ptr<scalar_t>();
-    const int64_t* tables = block_tables.data_ptr<int64_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t per_seq = shape.num_heads * shape.head_dim;
     at::parallel_for(0, query.size(0), 1, [&](int64_t begin, int64_t end) {
