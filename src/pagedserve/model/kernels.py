@@ -1,6 +1,6 @@
 """The engine's C++ CPU kernel (csrc/paged_decode.cpp), built on first use by
 torch.utils.cpp_extension and cached by it (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by
-default), so only the first start on a machine pays the build, about a minute."""
+default), so only the first start on a machine pays the build (about 15 s here)."""
 
 from __future__ import annotations
 
