@@ -100,7 +100,8 @@ class AttentionBatch:
         decode_in_place: single-token decodes go to the C++ kernel, as one group."""
         num_seqs = len(query_lens)
         q_lens = torch.tensor(query_lens, device=device)
-        first_positions = torch.tensor(context_lens, device=device) - q_lens
+        contexts = torch.tensor(context_lens, device=device)
+        first_positions = contexts - q_lens
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
         query_starts = torch.cumsum(q_lens, 0) - q_lens
         num_tokens = int(sum(query_lens))
@@ -119,7 +120,7 @@ class AttentionBatch:
             index = torch.tensor(rows, device=device)
             if decode_in_place and query_lens[rows[0]] == 1:
                 return AttentionGroup.in_place_decodes(
-                    first_positions[index] + 1, tables[index, :width].contiguous(), token_index
+                    contexts[index], tables[index, :width].contiguous(), token_index
                 )
             return AttentionGroup.build(
                 q_lens[index],
