@@ -1,11 +1,12 @@
-"""The C++ decode attention equals attention computed in plain torch from the same paged cache."""
+"""The C++ CPU kernels equal plain torch: decode attention over the same paged cache, and linear
+maps from packed weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedserve.model.kernels import paged_decode_attention
+from pagedserve.model.kernels import cpu_kernels_available
 
 
 def _reference(query, k_cache, v_cache, tables, context_lens, window):
@@ -36,8 +37,8 @@ def _reference(query, k_cache, v_cache, tables, context_lens, window):
     ],
 )
 def test_decode_attention_matches_plain_attention(num_heads, num_kv_heads, head_dim, window, dtype):
-    kernel = paged_decode_attention()
-    assert kernel is not None, "the C++ kernel must build on this machine"
+    assert cpu_kernels_available(), "the C++ kernels must build on this machine"
+    kernel = torch.ops.pagedserve.paged_decode_attention
     generator = torch.Generator().manual_seed(0)
     block_size, num_blocks = 4, 64
     context_lens = torch.tensor([1, 4, 5, 17, 30, 2])
@@ -57,7 +58,8 @@ def test_decode_attention_matches_plain_attention(num_heads, num_kv_heads, head_
 
 
 def test_decode_attention_rejects_mismatched_inputs():
-    kernel = paged_decode_attention()
+    assert cpu_kernels_available()
+    kernel = torch.ops.pagedserve.paged_decode_attention
     cache = torch.zeros(4, 4, 2, 8)
     tables = torch.zeros(1, 1, dtype=torch.long)
     lens = torch.ones(1, dtype=torch.long)
@@ -69,3 +71,50 @@ def test_decode_attention_rejects_mismatched_inputs():
         kernel(torch.zeros(1, 4, 8), cache, cache, tables, lens + 4, 1.0, 0)
     with pytest.raises(RuntimeError, match="block 4 is not in the cache"):
         kernel(torch.zeros(1, 4, 8), cache, cache, tables + 4, lens, 1.0, 0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features", "with_bias"),
+    [
+        (1, 576, 960, False),  # one decode through SmolLM2's fused qkv
+        (13, 64, 48, True),  # two whole tiles of 6 rows and one row; three panels
+        (5, 20, 40, True),  # a last panel with 8 of its 16 features (32 with AVX-512)
+        (7, 1, 3, False),
+    ],
+)
+def test_packed_linear_matches_plain_product(rows, in_features, out_features, with_bias):
+    assert cpu_kernels_available()
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = torch.ops.pagedserve.pack_linear_weight(weight)
+
+    out = torch.ops.pagedserve.packed_linear(x, packed, out_features, bias)
+
+    expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_packed_linear_reads_strided_inputs():
+    assert cpu_kernels_available()
+    weight, x = torch.randn(24, 10), torch.randn(10, 9).T  # 9 rows, not contiguous
+    packed = torch.ops.pagedserve.pack_linear_weight(weight)
+    out = torch.ops.pagedserve.packed_linear(x, packed, 24, None)
+    torch.testing.assert_close(out, x @ weight.T)
+
+
+def test_packed_linear_rejects_mismatched_inputs():
+    assert cpu_kernels_available()
+    packed = torch.ops.pagedserve.pack_linear_weight(torch.randn(40, 8))
+    linear = torch.ops.pagedserve.packed_linear
+    with pytest.raises(RuntimeError, match="for 7 input features"):
+        linear(torch.zeros(2, 7), packed, 40, None)
+    with pytest.raises(RuntimeError, match="out_features 70 does not fit"):
+        linear(torch.zeros(2, 8), packed, 70, None)
+    with pytest.raises(RuntimeError, match="bias must be float32 of 40 features"):
+        linear(torch.zeros(2, 8), packed, 40, torch.zeros(39))
+    with pytest.raises(RuntimeError, match="input must be a 2-D float32 tensor"):
+        linear(torch.zeros(2, 8, dtype=torch.float64), packed, 40, None)
+    with pytest.raises(RuntimeError, match="weight must be a 2-D float32 tensor"):
+        torch.ops.pagedserve.pack_linear_weight(torch.zeros(4, 4, dtype=torch.bfloat16))

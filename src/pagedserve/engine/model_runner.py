@@ -12,7 +12,7 @@ from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
 from pagedserve.model.checkpoint import load_model
-from pagedserve.model.kernels import paged_decode_attention
+from pagedserve.model.kernels import cpu_kernels_available
 from pagedserve.model.layers import can_pack_linear_weights
 from pagedserve.model.sampler import (
     LogprobsRequest,
@@ -56,9 +56,7 @@ class ModelRunner:
             self.model.pack_linear_weights()
         self.model_config = self.model.config
         self.decode_in_place = (
-            config.decode_kernel
-            and self.device.type == "cpu"
-            and paged_decode_attention() is not None
+            config.decode_kernel and self.device.type == "cpu" and cpu_kernels_available()
         )
         bytes_per_block = self.model.kv_cache_bytes_per_token() * config.block_size
         self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block

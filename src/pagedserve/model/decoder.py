@@ -61,7 +61,8 @@ class DecoderModel(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.packed_embeddings is not None:
-            return packed_linear(hidden, self.packed_embeddings, None).float()
+            vocab_size = self.config.vocab_size
+            return packed_linear(hidden, self.packed_embeddings, vocab_size, None).float()
         return F.linear(hidden, self.embed_tokens).float()
 
     def pack_linear_weights(self) -> None:

@@ -1,6 +1,7 @@
-"""The engine's C++ CPU kernel (csrc/paged_decode.cpp), built on first use by
-torch.utils.cpp_extension and cached by it (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by
-default), so only the first start on a machine pays the build (about 15 s here)."""
+"""The engine's C++ CPU kernels (csrc/: decode attention and packed linear maps), built on first
+use by torch.utils.cpp_extension and cached by it (TORCH_EXTENSIONS_DIR,
+~/.cache/torch_extensions by default), so only the first start on a machine pays the build
+(about 20 s here)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ import os
 import shutil
 import subprocess
 import sysconfig
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "packed_linear.cpp")
+]
 
 # at::vec picks its vector width from these macros: the instruction sets ATen dispatches to here,
 # with the flags torch's inductor compiles its own CPU kernels with.
@@ -29,27 +31,28 @@ _X86_FLAGS = ["-mfma", "-mf16c"]
 
 
 @functools.cache
-def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
-    """torch.ops.pagedserve.paged_decode_attention, or None (with a warning) when it cannot be
-    built here, in which case attention gathers blocks for SDPA instead."""
+def cpu_kernels_available() -> bool:
+    """Registers torch.ops.pagedserve.paged_decode_attention, pack_linear_weight and
+    packed_linear, building them if needed. False (with a warning) when they cannot be built
+    here, in which case attention gathers blocks for SDPA and linear maps use F.linear."""
     _put_ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()
     vector_flags = [*_VECTOR_FLAGS[capability], *_X86_FLAGS] if capability in _VECTOR_FLAGS else []
-    logger.info("loading the C++ decode attention (the first start on a machine builds it)")
+    logger.info("loading the C++ CPU kernels (the first start on a machine builds them)")
     try:
         from torch.utils import cpp_extension  # imports setuptools, only needed here
 
         cpp_extension.load(
             name="pagedserve_kernels",
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=["-O3", "-fopenmp", *vector_flags],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
     except (ImportError, OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        logger.warning("C++ decode attention unavailable, using gather + SDPA: %s", error)
-        return None
-    return torch.ops.pagedserve.paged_decode_attention
+        logger.warning("C++ CPU kernels unavailable, using SDPA and F.linear: %s", error)
+        return False
+    return True
 
 
 def _put_ninja_on_path() -> None:

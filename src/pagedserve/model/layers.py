@@ -6,28 +6,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The row count oneDNN lays packed weights out for; it serves every other count too. Decode steps
-# of the default model on the 2-core AVX2 machine, packed against F.linear: 1.7x faster at batch 4,
-# 1.2x at 16 and 64, as fast at batch 1.
-PACKING_ROWS = 64
-
-
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight ([out, in]) reordered once, at load time, into oneDNN's blocked layout for
-    `packed_linear`, instead of the GEMM under F.linear working from the checkpoint layout on
-    every call."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS)
-
-
-def packed_linear(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+from pagedserve.model.kernels import cpu_kernels_available
 
 
 def can_pack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Packing is measured to pay for float32 on CPU; elsewhere F.linear is used as it is."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """The packed product is a float32 CPU kernel; elsewhere F.linear is used as it is."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight ([out, in]) reordered once, at load time, into the panels `packed_linear` streams
+    (csrc/packed_linear.cpp)."""
+    return torch.ops.pagedserve.pack_linear_weight(weight.detach())
+
+
+def packed_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x: [rows, in] -> [rows, out_features]."""
+    return torch.ops.pagedserve.packed_linear(x, packed_weight, out_features, bias)
 
 
 class Linear(nn.Module):
@@ -47,7 +44,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
+            return packed_linear(x, self.packed_weight, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
