@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagedserve.model.layers import Linear, RMSNorm, RotaryAngles
 
 # More than any table's length in blocks can need (2**64 blocks).
 _CONTEXT_BUCKETS = 64
@@ -177,16 +177,18 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(
-        self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: AttentionBatch
+        self, hidden: torch.Tensor, angles: RotaryAngles, batch: AttentionBatch
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, batch.positions), rotary(k, batch.positions)
+        num_tokens, qk_size = hidden.shape[0], self.q_size + self.kv_size
+        qkv = self.qkv_proj(hidden)
+        heads = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # Query and key heads lie side by side in the product: one rotation covers both.
+            q, k = angles.rotate(heads).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = angles.rotate(self.q_norm(q)), angles.rotate(self.k_norm(k))
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self._attend(q, k, v, batch)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -11,6 +11,7 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.layers import (
     Linear,
     RMSNorm,
+    RotaryAngles,
     RotaryEmbedding,
     SwiGLU,
     pack_linear_weight,
@@ -27,9 +28,9 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
 
     def forward(
-        self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: AttentionBatch
+        self, hidden: torch.Tensor, angles: RotaryAngles, batch: AttentionBatch
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, batch)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), angles, batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -53,8 +54,9 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """input_ids: [tokens], every scheduled token of the step packed together."""
         hidden = F.embedding(input_ids, self.embed_tokens)
+        angles = self.rotary(batch.positions)
         for layer in self.layers:
-            hidden = layer(hidden, self.rotary, batch)
+            hidden = layer(hidden, angles, batch)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

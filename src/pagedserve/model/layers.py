@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,8 +62,23 @@ class RMSNorm(nn.Module):
         return self.weight * normed
 
 
+@dataclass
+class RotaryAngles:
+    """cos and sin of each token's rotation, [tokens, 1, head_dim]: looked up once per step and
+    shared by every layer."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim]; the "rotate half" RoPE layout of Llama."""
+        first, second = x.chunk(2, dim=-1)
+        rotated = torch.cat([-second, first], dim=-1)
+        return x * self.cos + rotated * self.sin
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotates query and key halves by position (the "rotate half" RoPE layout of Llama)."""
+    """The rotation angles of every position up to the model's maximum."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype):
         super().__init__()
@@ -71,13 +88,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]; positions: [tokens]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        first, second = x.chunk(2, dim=-1)
-        rotated = torch.cat([-second, first], dim=-1)
-        return x * cos + rotated * sin
+    def forward(self, positions: torch.Tensor) -> RotaryAngles:
+        """positions: [tokens]."""
+        return RotaryAngles(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
 
 
 class SwiGLU(nn.Module):

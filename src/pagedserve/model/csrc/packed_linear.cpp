@@ -111,25 +111,27 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
   TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
               "packed_linear: out_features ", out_features, " does not fit ", panels, " panels of ",
               kPanel);
-  at::Tensor padded_bias = at::zeros({panels * kPanel}, input.options());
+  at::Tensor bias_values;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features &&
                     bias->scalar_type() == at::kFloat,
                 "packed_linear: bias must be float32 of ", out_features, " features, got ",
                 bias->sizes(), " ", bias->scalar_type());
-    padded_bias.narrow(0, 0, out_features).copy_(*bias);
+    bias_values = bias->contiguous();
   }
   const at::Tensor x = input.contiguous();
   at::Tensor out = at::empty({num_rows, out_features}, input.options());
   const float* x_data = x.data_ptr<float>();
   const float* w_data = packed_weight.data_ptr<float>();
-  const float* b_data = padded_bias.data_ptr<float>();
+  const float* b_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kPanel, out_features - p * kPanel);
+      float panel_bias[kPanel] = {};
+      if (b_data != nullptr) std::copy(b_data + p * kPanel, b_data + p * kPanel + cols, panel_bias);
       rows_against_panel(x_data, num_rows, in_features, w_data + p * in_features * kPanel,
-                         b_data + p * kPanel, out_data + p * kPanel, out_features, cols);
+                         panel_bias, out_data + p * kPanel, out_features, cols);
     }
   });
   return out;
