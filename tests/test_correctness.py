@@ -9,7 +9,7 @@ from conftest import TINY_ARCHITECTURES, reference_greedy
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.model.layers import can_pack_linear_weights
+from pagedserve.model.layers import can_use_cpu_kernels
 
 PROMPT_LENGTHS = (1, 5, 16, 17, 33, 48, 70, 130)
 NEW_TOKENS = 40
@@ -70,16 +70,21 @@ def test_chunked_prefill_changes_nothing(tiny_checkpoint, references):
     assert _generate(chunked) == references("llama")
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_packed_and_plain_weights_match_transformers(architecture, tiny_checkpoint, references):
-    packed = LLM(str(tiny_checkpoint(architecture)), dtype="float32")
-    plain = LLM(str(tiny_checkpoint(architecture)), dtype="float32", pack_weights=False)
-    runner = packed.engine.runner
-    expect_packed = can_pack_linear_weights(runner.device, runner.dtype)
-    first_projection = runner.model.layers[0].self_attn.qkv_proj
-    assert (first_projection.packed_weight is not None) == expect_packed
-    assert plain.engine.runner.model.layers[0].self_attn.qkv_proj.packed_weight is None
-    assert _generate(packed) == references(architecture)
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+def test_cpu_kernels_and_torch_operators_match_transformers(
+    architecture, tiny_checkpoint, references
+):
+    """Float32 on CPU runs packed linear maps (Qwen2: with biases), RMSNorm (Qwen3: on each
+    head too) and SwiGLU in C++; --no-cpu-kernels runs them in torch."""
+    with_kernels = LLM(str(tiny_checkpoint(architecture)), dtype="float32")
+    plain = LLM(str(tiny_checkpoint(architecture)), dtype="float32", cpu_kernels=False)
+    runner = with_kernels.engine.runner
+    assert can_use_cpu_kernels(runner.device, runner.dtype)
+    for model, on in ((runner.model, True), (plain.engine.runner.model, False)):
+        layer = model.layers[0]
+        assert (layer.self_attn.qkv_proj.packed_weight is not None) == on
+        assert layer.input_layernorm.fused == layer.mlp.fused == on
+    assert _generate(with_kernels) == references(architecture)
     assert _generate(plain) == references(architecture)
 
 

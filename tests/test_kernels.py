@@ -1,10 +1,11 @@
-"""The C++ CPU kernels equal plain torch: decode attention over the same paged cache, and linear
-maps from packed weights."""
+"""The C++ CPU kernels equal plain torch: decode attention over the same paged cache, linear maps
+from packed weights, RMSNorm and SwiGLU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagedserve.model.kernels import cpu_kernels_available
 
@@ -118,3 +119,33 @@ def test_packed_linear_rejects_mismatched_inputs():
         linear(torch.zeros(2, 8, dtype=torch.float64), packed, 40, None)
     with pytest.raises(RuntimeError, match="weight must be a 2-D float32 tensor"):
         torch.ops.pagedserve.pack_linear_weight(torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 20), (3, 2048)])
+def test_rms_norm_matches_torch(shape):
+    assert cpu_kernels_available()
+    generator = torch.Generator().manual_seed(0)
+    x = 3 * torch.randn(shape, generator=generator)
+    weight = torch.randn(shape[-1], generator=generator)
+    out = torch.ops.pagedserve.rms_norm(x, weight, 1e-6)
+    expected = weight * F.rms_norm(x, shape[-1:], eps=1e-6)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (5, 36), (64, 18)])
+def test_silu_and_mul_matches_torch(shape):
+    assert cpu_kernels_available()
+    gate_up = 4 * torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.ops.pagedserve.silu_and_mul(gate_up)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+
+
+def test_norm_and_activation_reject_mismatched_inputs():
+    assert cpu_kernels_available()
+    with pytest.raises(RuntimeError, match="weight must be float32 of 8 elements"):
+        torch.ops.pagedserve.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous 2-D float32"):
+        torch.ops.pagedserve.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="even width"):
+        torch.ops.pagedserve.silu_and_mul(torch.zeros(2, 7))

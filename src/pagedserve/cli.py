@@ -33,10 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
     )
     group.add_argument(
-        "--no-pack-weights",
-        dest="pack_weights",
+        "--no-cpu-kernels",
+        dest="cpu_kernels",
         action="store_false",
-        help="keep float32 CPU weights in their checkpoint layout (F.linear)",
+        help="float32 on CPU: F.linear on weights as loaded, and torch's RMSNorm and SiLU, "
+        "instead of the C++ kernels",
     )
     group.add_argument(
         "--no-decode-kernel",

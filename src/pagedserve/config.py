@@ -25,9 +25,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    # Float32 on CPU: linear weights reordered once into panels for the C++ product
-    # (pagedserve.model.layers).
-    pack_weights: bool = True
+    # Float32 on CPU: linear weights reordered once into panels for the C++ product, and C++
+    # RMSNorm and SwiGLU (pagedserve.model.layers).
+    cpu_kernels: bool = True
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True
     seed: int = 0

@@ -13,7 +13,7 @@ from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
 from pagedserve.model.checkpoint import load_model
 from pagedserve.model.kernels import cpu_kernels_available
-from pagedserve.model.layers import can_pack_linear_weights
+from pagedserve.model.layers import can_use_cpu_kernels
 from pagedserve.model.sampler import (
     LogprobsRequest,
     LogprobsTensors,
@@ -52,8 +52,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model = load_model(model_dir, self.dtype, self.device)
-        if config.pack_weights and can_pack_linear_weights(self.device, self.dtype):
-            self.model.pack_linear_weights()
+        if config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype):
+            self.model.use_cpu_kernels()
         self.model_config = self.model.config
         self.decode_in_place = (
             config.decode_kernel and self.device.type == "cpu" and cpu_kernels_available()

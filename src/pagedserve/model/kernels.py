@@ -1,5 +1,5 @@
-"""The engine's C++ CPU kernels (csrc/: decode attention and packed linear maps), built on first
-use by torch.utils.cpp_extension and cached by it (TORCH_EXTENSIONS_DIR,
+"""The engine's C++ CPU kernels (csrc/: decode attention, packed linear maps, RMSNorm and SwiGLU),
+built on first use by torch.utils.cpp_extension and cached by it (TORCH_EXTENSIONS_DIR,
 ~/.cache/torch_extensions by default), so only the first start on a machine pays the build
 (about 20 s here)."""
 
@@ -18,7 +18,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "packed_linear.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_decode.cpp", "packed_linear.cpp", "norm_activation.cpp")
 ]
 
 # at::vec picks its vector width from these macros: the instruction sets ATen dispatches to here,
@@ -32,9 +33,9 @@ _X86_FLAGS = ["-mfma", "-mf16c"]
 
 @functools.cache
 def cpu_kernels_available() -> bool:
-    """Registers torch.ops.pagedserve.paged_decode_attention, pack_linear_weight and
-    packed_linear, building them if needed. False (with a warning) when they cannot be built
-    here, in which case attention gathers blocks for SDPA and linear maps use F.linear."""
+    """Registers torch.ops.pagedserve.paged_decode_attention, pack_linear_weight, packed_linear,
+    rms_norm and silu_and_mul, building them if needed. False (with a warning) when they cannot
+    be built here, in which case the model runs on torch's own operators."""
     _put_ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()
     vector_flags = [*_VECTOR_FLAGS[capability], *_X86_FLAGS] if capability in _VECTOR_FLAGS else []
@@ -50,7 +51,7 @@ def cpu_kernels_available() -> bool:
             is_python_module=False,
         )
     except (ImportError, OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        logger.warning("C++ CPU kernels unavailable, using SDPA and F.linear: %s", error)
+        logger.warning("C++ CPU kernels unavailable, using torch's operators: %s", error)
         return False
     return True
 

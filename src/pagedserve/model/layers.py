@@ -11,8 +11,9 @@ from torch import nn
 from pagedserve.model.kernels import cpu_kernels_available
 
 
-def can_pack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """The packed product is a float32 CPU kernel; elsewhere F.linear is used as it is."""
+def can_use_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """The packed product, RMSNorm and SwiGLU kernels are float32 CPU kernels; elsewhere torch's
+    own operators are used."""
     return device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
 
 
@@ -55,8 +56,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.fused = False  # one C++ call (csrc/norm_activation.cpp): float32 on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            rows = x.reshape(-1, x.shape[-1])
+            return torch.ops.pagedserve.rms_norm(rows, self.weight, self.eps).view(x.shape)
         # Normalise in float32 whatever the model dtype, as the reference implementations do.
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
         return self.weight * normed
@@ -101,7 +106,11 @@ class SwiGLU(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
+        self.fused = False  # one C++ call (csrc/norm_activation.cpp): float32 on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(torch.ops.pagedserve.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
