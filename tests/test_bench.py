@@ -372,6 +372,8 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         serve_dataset=DatasetSpec("random", 4, (4, 8), (2, 4)),
         serve_rate=50.0,
         single_stream=(8, 8),
+        agreement_requests=2,
+        agreement_output_len=4,
         profile_batches=(1, 4),
         long_prompt_load=LongPromptLoad(4, 4, 8, 48, 2, (0.0,)),
         chunked_budget=16,
@@ -395,8 +397,12 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert raw["speed"]["w1_all_seated"]["output_tokens"] == 8632
     assert [p["batch"] for p in raw["speed"]["step_profiles"]] == [1, 4]
     alone = raw["speed"]["single_stream"]
-    assert [run["name"] for run in alone] == ["continuous", "transformers"]
-    assert [run["output_tokens"] for run in alone] == [8, 8]
+    bfloat16_run = "ours, bfloat16 packed weights"
+    assert [run["name"] for run in alone] == ["continuous", "transformers", bfloat16_run]
+    assert [run["output_tokens"] for run in alone] == [8, 8, 8]
+    agreement = raw["speed"]["bfloat16_agreement"]
+    assert (agreement["requests"], agreement["output_tokens"]) == (2, 8)
+    assert f"{agreement['identical']} of 2 identical" in report
     baseline = raw["transformers_baseline"]
     assert [run["batch_size"] for run in baseline] == [2, 1, 2]
     assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report

@@ -88,6 +88,24 @@ def test_cpu_kernels_and_torch_operators_match_transformers(
     assert _generate(plain) == references(architecture)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_bfloat16_packed_weights_match_transformers_on_rounded_weights(
+    architecture, tiny_checkpoint
+):
+    """bfloat16 panels with float32 arithmetic compute what float32 computes from weights rounded
+    to bfloat16, so transformers with its linear weights (tied logits included, not the embedding
+    lookup) rounded that way is the reference."""
+    llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32", packed_weight_dtype="bfloat16")
+    assert llm.engine.runner.model.layers[0].mlp.down_proj.packed_weight.dtype == torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(architecture), dtype=torch.float32)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            rounded = module.weight.detach().bfloat16().float()
+            module.weight = torch.nn.Parameter(rounded, requires_grad=False)
+    expected = [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
+    assert _generate(llm) == expected
+
+
 @pytest.mark.parametrize("architecture", ["mistral", "qwen3"])
 def test_both_decode_attention_paths_match_transformers(architecture, tiny_checkpoint, references):
     """On CPU decodes read the cache in place in C++; elsewhere (and with --no-decode-kernel)

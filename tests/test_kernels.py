@@ -74,19 +74,25 @@ def test_decode_attention_rejects_mismatched_inputs():
         kernel(torch.zeros(1, 4, 8), cache, cache, tables + 4, lens, 1.0, 0)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features", "with_bias"),
     [
         (1, 576, 960, False),  # one decode through SmolLM2's fused qkv
         (13, 64, 48, True),  # two whole tiles of 6 rows and one row; three panels
+        (40, 64, 48, True),  # bfloat16 panels widened once for all tiles
         (5, 20, 40, True),  # a last panel with 8 of its 16 features (32 with AVX-512)
         (7, 1, 3, False),
     ],
 )
-def test_packed_linear_matches_plain_product(rows, in_features, out_features, with_bias):
+def test_packed_linear_matches_plain_product(
+    rows, in_features, out_features, with_bias, weight_dtype
+):
+    """The arithmetic is float32 whatever the weights are stored as: the reference multiplies the
+    stored (for bfloat16, rounded) weights in float64."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator).to(weight_dtype)
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     x = torch.randn(rows, in_features, generator=generator)
     packed = torch.ops.pagedserve.pack_linear_weight(weight)
@@ -117,8 +123,8 @@ def test_packed_linear_rejects_mismatched_inputs():
         linear(torch.zeros(2, 8), packed, 40, torch.zeros(39))
     with pytest.raises(RuntimeError, match="input must be a 2-D float32 tensor"):
         linear(torch.zeros(2, 8, dtype=torch.float64), packed, 40, None)
-    with pytest.raises(RuntimeError, match="weight must be a 2-D float32 tensor"):
-        torch.ops.pagedserve.pack_linear_weight(torch.zeros(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="weight must be a 2-D float32 or bfloat16 tensor"):
+        torch.ops.pagedserve.pack_linear_weight(torch.zeros(4, 4, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (7, 20), (3, 2048)])

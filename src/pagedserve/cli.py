@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 
 from pagedserve.bench.cli import add_bench_parser
-from pagedserve.config import DTYPES, SCHEDULER_POLICIES, EngineConfig
+from pagedserve.config import DTYPES, PACKED_WEIGHT_DTYPES, SCHEDULER_POLICIES, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +38,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="float32 on CPU: F.linear on weights as loaded, and torch's RMSNorm and SiLU, "
         "instead of the C++ kernels",
+    )
+    group.add_argument(
+        "--packed-weight-dtype",
+        choices=PACKED_WEIGHT_DTYPES,
+        default=defaults["packed_weight_dtype"],
+        help="float32 on CPU: store the packed linear weights as this (float32 arithmetic either "
+        "way); bfloat16 halves the bytes a decode step reads and rounds the weights",
     )
     group.add_argument(
         "--no-decode-kernel",

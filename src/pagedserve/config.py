@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 SCHEDULER_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+PACKED_WEIGHT_DTYPES = ("float32", "bfloat16")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -28,6 +29,9 @@ class EngineConfig:
     # Float32 on CPU: linear weights reordered once into panels for the C++ product, and C++
     # RMSNorm and SwiGLU (pagedserve.model.layers).
     cpu_kernels: bool = True
+    # What those packed weights are stored as; the arithmetic stays float32. bfloat16 halves the
+    # bytes each decode step reads, and rounds the weights.
+    packed_weight_dtype: str = "float32"
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True
     seed: int = 0
@@ -46,6 +50,11 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.packed_weight_dtype not in PACKED_WEIGHT_DTYPES:
+            raise ValueError(
+                f"packed_weight_dtype must be one of {PACKED_WEIGHT_DTYPES}, "
+                f"got {self.packed_weight_dtype!r}"
+            )
         parse_memory(self.kv_cache_memory)
 
     @property

@@ -34,6 +34,7 @@ from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
 from pagedserve.bench.speed import (
     LongPromptLoad,
     StepProfile,
+    greedy_agreement,
     profile_decode_steps,
     run_long_prompt_load,
 )
@@ -58,6 +59,9 @@ class ReportConfig:
     # Every W1 request seated at once: the offline figure the HTTP run is compared with.
     w1_all_seated: int = 64
     single_stream: tuple[int, int] = (32, 128)  # prompt and output tokens
+    # float32 against bfloat16 packed weights: W1's first requests, outputs capped at this length.
+    agreement_requests: int = 16
+    agreement_output_len: int = 64
     profile_batches: tuple[int, ...] = (1, 64)
     long_prompt_load: LongPromptLoad = field(default_factory=LongPromptLoad)
     # The per-step token budget with chunked prefill in the long-prompt benchmark: small enough
@@ -147,6 +151,9 @@ def _measure_and_render(
         ),
         http=stages.run("W1 over HTTP", partial(_w1_http_run, config, requests)),
         single_stream=stages.run("single stream", partial(_single_stream_run, config)),
+        bfloat16_agreement=stages.run(
+            "bfloat16 weights agreement", partial(_bfloat16_agreement, config)
+        ),
         profiles=stages.run("step profiles", partial(_profile_runs, config)),
         long_prompts=stages.run("long prompts", partial(_long_prompt_runs, config)),
         baseline=baseline,
@@ -202,11 +209,25 @@ def _w1_http_run(config: ReportConfig, requests: list[BenchRequest]) -> dict:
 
 
 def _single_stream_run(config: ReportConfig) -> list[dict]:
-    """One request alone through our engine, then through transformers' generate."""
+    """One request alone through our engine, through transformers' generate, then through our
+    engine with bfloat16 packed weights."""
     prompt_len, output_len = config.single_stream
     requests = fixed_requests(1, prompt_len, output_len)
     engine_args = {**config.engine_args, "max_num_seqs": 1}
-    return [run.summary() for run in run_throughput(engine_args, requests, "transformers")]
+    runs = [run.summary() for run in run_throughput(engine_args, requests, "transformers")]
+    work = partial(run_engine, requests=requests)
+    bfloat16 = with_fresh_llm(engine_args, work, packed_weight_dtype="bfloat16").summary()
+    return [*runs, bfloat16 | {"name": "ours, bfloat16 packed weights"}]
+
+
+def _bfloat16_agreement(config: ReportConfig) -> dict:
+    """W1's first requests, outputs capped, greedy from float32 and from bfloat16 packed weights."""
+    requests = [
+        BenchRequest(r.prompt_token_ids, min(r.output_len, config.agreement_output_len))
+        for r in w1_requests()[: config.agreement_requests]
+    ]
+    engine_args = {**config.engine_args, "max_num_seqs": config.agreement_requests}
+    return greedy_agreement(engine_args, requests, packed_weight_dtype="bfloat16")
 
 
 def _profile_runs(config: ReportConfig) -> list[StepProfile]:

@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.bench.metrics import RequestResult, summarize
-from pagedserve.bench.offline import greedy_params, warm_up
+from pagedserve.bench.offline import greedy_params, warm_up, with_fresh_llm
 from pagedserve.bench.sweep import fixed_requests
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.llm import LLM
@@ -173,3 +173,34 @@ def _submit_timed(
     for request_id, request in zip(ids, requests, strict=True):
         results[request_id] = RequestResult(start=now, prompt_tokens=request.prompt_len)
     return ids
+
+
+def greedy_agreement(engine_args: dict, requests: list[BenchRequest], **variant) -> dict:
+    """Greedy outputs of the engine as configured, then with the `variant` settings, compared
+    request by request: how many are identical, and the mean share of an output that comes
+    before its first differing token."""
+
+    def outputs(llm: LLM) -> list[list[int]]:
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        return [out.outputs[0].token_ids for out in llm.generate(prompts, greedy_params(requests))]
+
+    reference = with_fresh_llm(engine_args, outputs)
+    candidate = with_fresh_llm(engine_args, outputs, **variant)
+    shares = [
+        _common_prefix_len(ours, theirs) / len(ours)
+        for ours, theirs in zip(reference, candidate, strict=True)
+    ]
+    return {
+        "variant": variant,
+        "requests": len(requests),
+        "output_tokens": sum(len(tokens) for tokens in reference),
+        "identical": sum(ours == theirs for ours, theirs in zip(reference, candidate, strict=True)),
+        "mean_share_before_divergence": sum(shares) / len(shares),
+    }
+
+
+def _common_prefix_len(first: list[int], second: list[int]) -> int:
+    return next(
+        (i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b),
+        min(len(first), len(second)),
+    )

@@ -95,12 +95,11 @@ class LLMEngine:
         self.phase_timer = PhaseTimer(self.runner.device)
         runner = self.runner
         logger.info(
-            "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks of %d tokens = %d tokens, "
+            "loaded %s (%s, %s) in %.1f s; KV cache: %d blocks of %d tokens = %d tokens, "
             "%.2f GiB; max_model_len %d",
             model_dir.name,
             model_config.architecture,
-            str(runner.dtype).removeprefix("torch."),
-            runner.device,
+            runner.weights_summary(),
             time.monotonic() - started,
             runner.num_blocks,
             config.block_size,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,14 +47,30 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
+logger = logging.getLogger(__name__)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, config: EngineConfig, eos_token_ids: tuple[int, ...]):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model = load_model(model_dir, self.dtype, self.device)
+        # None: the linear weights are used as loaded, by F.linear.
+        self.packed_weight_dtype: torch.dtype | None = None
         if config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype):
-            self.model.use_cpu_kernels()
+            self.packed_weight_dtype = getattr(torch, config.packed_weight_dtype)
+            self.model.use_cpu_kernels(self.packed_weight_dtype)
+        elif config.packed_weight_dtype != "float32":
+            logger.warning(
+                "packed_weight_dtype %s ignored: weights are packed for float32 on CPU only, "
+                "with the C++ kernels",
+                config.packed_weight_dtype,
+            )
         self.model_config = self.model.config
         self.decode_in_place = (
             config.decode_kernel and self.device.type == "cpu" and cpu_kernels_available()
@@ -68,6 +85,13 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         self.model.attach_kv_cache(self.num_blocks, config.block_size)
         self.eos_token_ids = eos_token_ids
+
+    def weights_summary(self) -> str:
+        """For the start-up log, e.g. "float32 on cpu, linear weights packed as bfloat16"."""
+        summary = f"{_dtype_name(self.dtype)} on {self.device}"
+        if self.packed_weight_dtype is not None:
+            summary += f", linear weights packed as {_dtype_name(self.packed_weight_dtype)}"
+        return summary
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, timer: PhaseTimer) -> list[Sampled]:

@@ -67,17 +67,17 @@ class DecoderModel(nn.Module):
             return packed_linear(hidden, self.packed_embeddings, vocab_size, None).float()
         return F.linear(hidden, self.embed_tokens).float()
 
-    def use_cpu_kernels(self) -> None:
-        """Packs every linear map's weight for the C++ product (see `pack_linear_weight`) and
-        turns on the C++ RMSNorm and SwiGLU. Tied embeddings keep their plain copy for the lookup
-        and gain a packed one for the logits."""
+    def use_cpu_kernels(self, weight_dtype: torch.dtype) -> None:
+        """Packs every linear map's weight, as weight_dtype, for the C++ product (see
+        `pack_linear_weight`) and turns on the C++ RMSNorm and SwiGLU. Tied embeddings keep their
+        plain copy for the lookup and gain a packed one for the logits."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_weight()
+                module.pack_weight(weight_dtype)
             elif isinstance(module, RMSNorm | SwiGLU):
                 module.fused = True
         if self.lm_head is None:
-            self.packed_embeddings = pack_linear_weight(self.embed_tokens)
+            self.packed_embeddings = pack_linear_weight(self.embed_tokens, weight_dtype)
 
     def kv_cache_bytes_per_token(self) -> int:
         config = self.config

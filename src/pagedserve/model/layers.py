@@ -17,10 +17,10 @@ def can_use_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_linear_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight ([out, in]) reordered once, at load time, into the panels `packed_linear` streams
-    (csrc/packed_linear.cpp)."""
-    return torch.ops.pagedserve.pack_linear_weight(weight.detach())
+    (csrc/packed_linear.cpp), stored as dtype (float32 or bfloat16)."""
+    return torch.ops.pagedserve.pack_linear_weight(weight.detach().to(dtype))
 
 
 def packed_linear(
@@ -40,9 +40,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.packed_weight: torch.Tensor | None = None
 
-    def pack_weight(self) -> None:
+    def pack_weight(self, dtype: torch.dtype) -> None:
         """Replaces the loaded weight with its packed copy (see `pack_linear_weight`)."""
-        self.packed_weight = pack_linear_weight(self.weight)
+        self.packed_weight = pack_linear_weight(self.weight, dtype)
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
