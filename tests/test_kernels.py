@@ -1,5 +1,5 @@
 """The C++ CPU kernels equal plain torch: decode attention over the same paged cache, linear maps
-from packed weights, RMSNorm and SwiGLU."""
+from packed weights, RMSNorm, SwiGLU, and the rotation with the cache write."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.model.kernels import cpu_kernels_available
+from pagedserve.model.layers import RotaryEmbedding
 
 
 def _reference(query, k_cache, v_cache, tables, context_lens, window):
@@ -155,3 +156,46 @@ def test_norm_and_activation_reject_mismatched_inputs():
         torch.ops.pagedserve.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="even width"):
         torch.ops.pagedserve.silu_and_mul(torch.zeros(2, 7))
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 24)])
+def test_rotary_and_cache_matches_torch(num_heads, num_kv_heads, head_dim):
+    """Queries come back rotated; rotated keys and plain values land in their slots, and no
+    other slot changes."""
+    assert cpu_kernels_available()
+    generator = torch.Generator().manual_seed(0)
+    num_tokens, cache_shape = 5, (4, 4, num_kv_heads, head_dim)  # 16 slots
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    angles = RotaryEmbedding(head_dim, 10000.0, 64, torch.float32)(torch.tensor([0, 3, 7, 8, 60]))
+    slots = torch.tensor([2, 15, 0, 9, 4])
+    k_cache, v_cache = torch.randn(cache_shape), torch.randn(cache_shape)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+
+    q = torch.ops.pagedserve.rotary_and_cache(
+        qkv, angles.cos, angles.sin, k_cache, v_cache, slots, num_heads, num_kv_heads
+    )
+
+    heads = qkv.view(num_tokens, -1, head_dim)
+    q_heads, k_heads, v_heads = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    expected_k.view(-1, num_kv_heads, head_dim)[slots] = angles.rotate(k_heads)
+    expected_v.view(-1, num_kv_heads, head_dim)[slots] = v_heads
+    torch.testing.assert_close(q, angles.rotate(q_heads), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_cache, expected_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(v_cache, expected_v)
+
+
+def test_rotary_and_cache_rejects_mismatched_inputs():
+    assert cpu_kernels_available()
+    angles = RotaryEmbedding(8, 10000.0, 8, torch.float32)(torch.tensor([0]))
+    cache = torch.zeros(2, 4, 1, 8)  # 8 slots, one KV head of 8
+
+    def call(width: int, slot: int, num_heads: int) -> torch.Tensor:
+        qkv, slots = torch.zeros(1, width), torch.tensor([slot])
+        op = torch.ops.pagedserve.rotary_and_cache
+        return op(qkv, angles.cos, angles.sin, cache, cache.clone(), slots, num_heads, 1)
+
+    with pytest.raises(RuntimeError, match="qkv width 40 is not 2 query and 2 x 1 KV heads"):
+        call(40, 0, 2)
+    with pytest.raises(RuntimeError, match="slot 8 is not in the cache of 8 slots"):
+        call(24, 8, 1)
+    assert call(32, 7, 2).shape == (1, 2, 8)

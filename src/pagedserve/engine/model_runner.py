@@ -25,6 +25,8 @@ from pagedserve.model.sampler import (
 from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.timing import PhaseTimer
 
+logger = logging.getLogger(__name__)
+
 
 class Sampled(NamedTuple):
     seq: Sequence
@@ -45,9 +47,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16
     # CPUs without AVX-512/AMX emulate bfloat16 products several times slower than float32.
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-
-
-logger = logging.getLogger(__name__)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -172,6 +172,9 @@ class PagedAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        # Rotation and cache write in one C++ call (csrc/rotary_cache.cpp): float32 on CPU, for
+        # models without query and key norms.
+        self.fused = False
         # Set once the KV cache is allocated: [blocks, block_size, kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -179,8 +182,30 @@ class PagedAttention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, angles: RotaryAngles, batch: AttentionBatch
     ) -> torch.Tensor:
-        num_tokens, qk_size = hidden.shape[0], self.q_size + self.kv_size
+        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.fused:
+            q = torch.ops.pagedserve.rotary_and_cache(
+                qkv,
+                angles.cos,
+                angles.sin,
+                self.k_cache,
+                self.v_cache,
+                batch.slot_mapping,
+                self.num_heads,
+                self.num_kv_heads,
+            )
+        else:
+            q = self._rotate_and_cache(qkv, angles, batch)
+        out = self._attend(q, batch)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _rotate_and_cache(
+        self, qkv: torch.Tensor, angles: RotaryAngles, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """Rotates the query and key heads and writes the keys and values into their cache slots;
+        returns the queries, [tokens, heads, head_dim]."""
+        num_tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
         heads = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # Query and key heads lie side by side in the product: one rotation covers both.
@@ -189,16 +214,12 @@ class PagedAttention(nn.Module):
             q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
             q, k = angles.rotate(self.q_norm(q)), angles.rotate(self.k_norm(k))
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self._attend(q, k, v, batch)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        slot_rows = (-1, self.num_kv_heads, self.head_dim)
+        self.k_cache.view(slot_rows).index_copy_(0, batch.slot_mapping, k)
+        self.v_cache.view(slot_rows).index_copy_(0, batch.slot_mapping, v)
+        return q
 
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
-    ) -> torch.Tensor:
-        slots_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        slots_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        slots_k.index_copy_(0, batch.slot_mapping, k)
-        slots_v.index_copy_(0, batch.slot_mapping, v)
+    def _attend(self, q: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         if len(batch.groups) == 1:
             return self._attend_group(q, batch.groups[0])
         out = torch.empty_like(q)

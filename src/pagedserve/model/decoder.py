@@ -76,6 +76,8 @@ class DecoderModel(nn.Module):
                 module.pack_weight(weight_dtype)
             elif isinstance(module, RMSNorm | SwiGLU):
                 module.fused = True
+            elif isinstance(module, PagedAttention):
+                module.fused = module.q_norm is None
         if self.lm_head is None:
             self.packed_embeddings = pack_linear_weight(self.embed_tokens, weight_dtype)
 

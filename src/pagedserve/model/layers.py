@@ -69,7 +69,7 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class RotaryAngles:
-    """cos and sin of each token's rotation, [tokens, 1, head_dim]: looked up once per step and
+    """cos and sin of each token's rotation, [tokens, head_dim]: looked up once per step and
     shared by every layer."""
 
     cos: torch.Tensor
@@ -79,7 +79,7 @@ class RotaryAngles:
         """x: [tokens, heads, head_dim]; the "rotate half" RoPE layout of Llama."""
         first, second = x.chunk(2, dim=-1)
         rotated = torch.cat([-second, first], dim=-1)
-        return x * self.cos + rotated * self.sin
+        return x * self.cos.unsqueeze(1) + rotated * self.sin.unsqueeze(1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -95,7 +95,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> RotaryAngles:
         """positions: [tokens]."""
-        return RotaryAngles(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return RotaryAngles(self.cos[positions], self.sin[positions])
 
 
 class SwiGLU(nn.Module):

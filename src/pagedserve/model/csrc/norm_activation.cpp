@@ -14,6 +14,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace {
@@ -50,7 +51,8 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
       float* o = out_data + row * size;
       const float squares = at::vec::map_reduce_all<float>(
           [](Vec v) { return v * v; }, [](Vec a, Vec b) { return a + b; }, in, size);
-      const float scale = 1.f / std::sqrt(squares / static_cast<float>(size) + static_cast<float>(eps));
+      const float mean = squares / static_cast<float>(size);
+      const float scale = 1.f / std::sqrt(mean + static_cast<float>(eps));
       at::vec::map2<float>([scale](Vec v, Vec w) { return w * (v * Vec(scale)); }, o, in, w_data,
                            size);
     }

@@ -3,11 +3,12 @@
 // The weight [out, in] is cut into panels of kPanel output features, each stored input-major
 // ([in][kPanel]), so that a tile of the product streams its panel sequentially and broadcasts
 // each input value against two vectors of it: the register-blocked outer product that BLAS
-// kernels use, with no horizontal sums. Panels hold float32 or bfloat16 weights; the arithmetic is
-// float32 either way, so bfloat16 halves the bytes a decode step reads on CPUs that have no
-// bfloat16 arithmetic. On the default model's shapes on a 2-core AVX2 machine
+// kernels use, with no horizontal sums. On the default model's shapes on a 2-core AVX2 machine
 // this reads the weights at the memory bandwidth for one row and beats oneDNN's packed product
 // (1.4-1.6x at 1-32 rows, 1.1-1.4x at 64-512, as fast at 2048).
+//
+// Panels hold float32 or bfloat16 weights. The arithmetic is float32 either way, so bfloat16
+// halves the bytes a decode step reads on CPUs that have no bfloat16 arithmetic.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -48,8 +49,9 @@ std::pair<Vec, Vec> load_weights(const weight_t* weights) {
   if constexpr (std::is_same_v<weight_t, float>) {
     return {Vec::loadu(weights), Vec::loadu(weights + Vec::size())};
   } else {
-    static_assert(at::vec::Vectorized<weight_t>::size() == kPanel);
-    auto [low, high] = at::vec::convert_to_float<weight_t>(at::vec::Vectorized<weight_t>::loadu(weights));
+    using Stored = at::vec::Vectorized<weight_t>;
+    static_assert(Stored::size() == kPanel);
+    auto [low, high] = at::vec::convert_to_float<weight_t>(Stored::loadu(weights));
     return {low, high};
   }
 }
@@ -159,7 +161,9 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, out_features - p * kPanel);
         float panel_bias[kPanel] = {};
-        if (b_data != nullptr) std::copy(b_data + p * kPanel, b_data + p * kPanel + cols, panel_bias);
+        if (b_data != nullptr) {
+          std::copy(b_data + p * kPanel, b_data + p * kPanel + cols, panel_bias);
+        }
         const weight_t* panel = w_data + p * in_features * kPanel;
         if (widen) {
           at::vec::convert(panel, widened.data(), in_features * kPanel);

@@ -1,0 +1,107 @@
+// Rotary embedding and the KV-cache write of a step's tokens on the CPU, in one pass.
+//
+// In torch this is about ten small operators per layer (split, chunk, negate, concatenate, two
+// products and a sum for the rotation; a copy of the queries; an index_copy_ each for keys and
+// values). Here each token's row of the fused qkv product is read once: its query heads are
+// rotated into a new tensor, and its key heads, rotated, and value heads go straight to the
+// token's cache slot.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// The "rotate half" layout of Llama: x * cos + cat(-second half, first half) * sin.
+void rotate(const float* x, const float* cos, const float* sin, int64_t head_dim, float* out) {
+  const int64_t half = head_dim / 2;
+  int64_t i = 0;
+  for (; i + Vec::size() <= half; i += Vec::size()) {
+    const Vec first = Vec::loadu(x + i), second = Vec::loadu(x + half + i);
+    (first * Vec::loadu(cos + i) - second * Vec::loadu(sin + i)).store(out + i);
+    (second * Vec::loadu(cos + half + i) + first * Vec::loadu(sin + half + i)).store(out + half + i);
+  }
+  for (; i < half; ++i) {
+    const float first = x[i], second = x[half + i];
+    out[i] = first * cos[i] - second * sin[i];
+    out[half + i] = second * cos[half + i] + first * sin[half + i];
+  }
+}
+
+void check_float_matrix(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.is_contiguous(),
+              "rotary_and_cache: ", name, " must be a contiguous 2-D float32 tensor, got ",
+              t.sizes(), " ", t.scalar_type());
+}
+
+at::Tensor rotary_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            at::Tensor& k_cache, at::Tensor& v_cache,
+                            const at::Tensor& slot_mapping, int64_t num_heads,
+                            int64_t num_kv_heads) {
+  check_float_matrix(qkv, "qkv");
+  check_float_matrix(cos, "cos");
+  check_float_matrix(sin, "sin");
+  const int64_t num_tokens = qkv.size(0), head_dim = cos.size(1);
+  TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "rotary_and_cache: qkv width ", qkv.size(1), " is not ", num_heads, " query and 2 x ",
+              num_kv_heads, " KV heads of ", head_dim);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == num_tokens,
+              "rotary_and_cache: cos and sin must be [", num_tokens, ", ", head_dim, "], got ",
+              cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 4 &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                  k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
+              "rotary_and_cache: caches must be contiguous float32 [blocks, block_size, ",
+              num_kv_heads, ", ", head_dim, "], got ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens &&
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "rotary_and_cache: slot_mapping must be int64 of ", num_tokens, " tokens");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "rotary_and_cache: slot ", slots[t],
+                " is not in the cache of ", num_slots, " slots");
+  }
+
+  at::Tensor query = at::empty({num_tokens, num_heads, head_dim}, qkv.options());
+  const int64_t width = qkv.size(1), kv_row = num_kv_heads * head_dim;
+  const float* rows = qkv.data_ptr<float>();
+  const float* cos_data = cos.data_ptr<float>();
+  const float* sin_data = sin.data_ptr<float>();
+  float* q_data = query.data_ptr<float>();
+  float* k_data = k_cache.data_ptr<float>();
+  float* v_data = v_cache.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 4096 / width);
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = rows + t * width;
+      const float* c = cos_data + t * head_dim;
+      const float* s = sin_data + t * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h)
+        rotate(row + h * head_dim, c, s, head_dim, q_data + (t * num_heads + h) * head_dim);
+      const float* keys = row + num_heads * head_dim;
+      float* key_slot = k_data + slots[t] * kv_row;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        rotate(keys + h * head_dim, c, s, head_dim, key_slot + h * head_dim);
+      std::copy(keys + kv_row, keys + 2 * kv_row, v_data + slots[t] * kv_row);
+    }
+  });
+  return query;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def(
+      "rotary_and_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("rotary_and_cache", &rotary_and_cache); }
