@@ -26,7 +26,7 @@ test: setup
 serve: setup
 	$(BIN)/pagedserve serve $(ARGS)
 
-# Runs every benchmark and rewrites BENCHMARKS.md and docs/bench/ (22-35 minutes on 2 cores).
+# Runs every benchmark and rewrites BENCHMARKS.md and docs/bench/ (20-35 minutes on 2 cores).
 bench: setup
 	$(BIN)/pagedserve bench report --threads $(BENCH_THREADS)
 

@@ -36,8 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-cpu-kernels",
         dest="cpu_kernels",
         action="store_false",
-        help="float32 on CPU: F.linear on weights as loaded, and torch's RMSNorm and SiLU, "
-        "instead of the C++ kernels",
+        help="float32 on CPU: F.linear on weights as loaded, and torch's RMSNorm, SiLU and "
+        "rotation, instead of the C++ kernels (decode attention: --no-decode-kernel)",
     )
     group.add_argument(
         "--packed-weight-dtype",

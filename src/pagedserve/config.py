@@ -27,7 +27,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     # Float32 on CPU: linear weights reordered once into panels for the C++ product, and C++
-    # RMSNorm and SwiGLU (pagedserve.model.layers).
+    # RMSNorm, SwiGLU and rotation with the cache write (pagedserve.model.kernels).
     cpu_kernels: bool = True
     # What those packed weights are stored as; the arithmetic stays float32. bfloat16 halves the
     # bytes each decode step reads, and rounds the weights.

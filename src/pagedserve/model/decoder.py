@@ -69,7 +69,8 @@ class DecoderModel(nn.Module):
 
     def use_cpu_kernels(self, weight_dtype: torch.dtype) -> None:
         """Packs every linear map's weight, as weight_dtype, for the C++ product (see
-        `pack_linear_weight`) and turns on the C++ RMSNorm and SwiGLU. Tied embeddings keep their
+        `pack_linear_weight`) and turns on the other C++ kernels: RMSNorm, SwiGLU, and the rotation
+        with the cache write where no query and key norms come first. Tied embeddings keep their
         plain copy for the lookup and gain a packed one for the logits."""
         for module in self.modules():
             if isinstance(module, Linear):

@@ -12,8 +12,8 @@ from pagedserve.model.kernels import cpu_kernels_available
 
 
 def can_use_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
-    """The packed product, RMSNorm and SwiGLU kernels are float32 CPU kernels; elsewhere torch's
-    own operators are used."""
+    """The packed product and the kernels that go with it (RMSNorm, SwiGLU, rotation) are for
+    float32 on CPU; elsewhere torch's own operators are used."""
     return device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
 
 
