@@ -398,7 +398,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert [p["batch"] for p in raw["speed"]["step_profiles"]] == [1, 4]
     alone = raw["speed"]["single_stream"]
     bfloat16_run = "ours, bfloat16 packed weights"
-    assert [run["name"] for run in alone] == ["continuous", "transformers", bfloat16_run]
+    assert [run["name"] for run in alone] == ["ours", "transformers", bfloat16_run]
     assert [run["output_tokens"] for run in alone] == [8, 8, 8]
     agreement = raw["speed"]["bfloat16_agreement"]
     assert (agreement["requests"], agreement["output_tokens"]) == (2, 8)

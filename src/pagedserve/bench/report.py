@@ -214,10 +214,16 @@ def _single_stream_run(config: ReportConfig) -> list[dict]:
     prompt_len, output_len = config.single_stream
     requests = fixed_requests(1, prompt_len, output_len)
     engine_args = {**config.engine_args, "max_num_seqs": 1}
-    runs = [run.summary() for run in run_throughput(engine_args, requests, "transformers")]
+    ours, transformers = (
+        run.summary() for run in run_throughput(engine_args, requests, "transformers")
+    )
     work = partial(run_engine, requests=requests)
     bfloat16 = with_fresh_llm(engine_args, work, packed_weight_dtype="bfloat16").summary()
-    return [*runs, bfloat16 | {"name": "ours, bfloat16 packed weights"}]
+    return [
+        ours | {"name": "ours"},
+        transformers,
+        bfloat16 | {"name": "ours, bfloat16 packed weights"},
+    ]
 
 
 def _bfloat16_agreement(config: ReportConfig) -> dict:

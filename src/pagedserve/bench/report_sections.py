@@ -96,7 +96,10 @@ def ceilings(context: Context, batch: int) -> str:
     compute = cost.compute_bound_tokens_per_s(c, context.dtype)
     memory = cost.bandwidth_bound_tokens_per_s(c)
     rows = [
-        ["matmul, float32 (1024 x 1024)", f"{flops['float32']:.1f} GFLOP/s"],
+        [
+            "matmul, float32 (1024 x 1024; the faster of torch.mm and the engine's packed product)",
+            f"{flops['float32']:.1f} GFLOP/s",
+        ],
         ["matmul, bfloat16 (1024 x 1024)", f"{flops['bfloat16']:.1f} GFLOP/s"],
         ["memory read bandwidth (256 MiB buffer)", f"{c.bandwidth_gbs:.1f} GB/s"],
         [f"model weights ({context.dtype})", f"{cost.weight_bytes / 2**20:.0f} MiB"],
