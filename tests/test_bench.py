@@ -397,12 +397,14 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert raw["speed"]["w1_all_seated"]["output_tokens"] == 8632
     assert [p["batch"] for p in raw["speed"]["step_profiles"]] == [1, 4]
     alone = raw["speed"]["single_stream"]
-    bfloat16_run = "ours, bfloat16 packed weights"
-    assert [run["name"] for run in alone] == ["ours", "transformers", bfloat16_run]
-    assert [run["output_tokens"] for run in alone] == [8, 8, 8]
-    agreement = raw["speed"]["bfloat16_agreement"]
-    assert (agreement["requests"], agreement["output_tokens"]) == (2, 8)
-    assert f"{agreement['identical']} of 2 identical" in report
+    narrow_runs = ["ours, bfloat16 packed weights", "ours, int8 packed weights"]
+    assert [run["name"] for run in alone] == ["ours", "transformers", *narrow_runs]
+    assert [run["output_tokens"] for run in alone] == [8, 8, 8, 8]
+    agreements = raw["speed"]["narrow_weights_agreement"]
+    for agreement, dtype in zip(agreements, ("bfloat16", "int8"), strict=True):
+        assert agreement["variant"] == {"packed_weight_dtype": dtype}
+        assert (agreement["requests"], agreement["output_tokens"]) == (2, 8)
+        assert f"{dtype}: {agreement['identical']} of 2 identical" in report
     baseline = raw["transformers_baseline"]
     assert [run["batch_size"] for run in baseline] == [2, 1, 2]
     assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report

@@ -91,20 +91,36 @@ def test_cpu_kernels_and_torch_operators_match_transformers(
     assert _generate(plain) == references(architecture)
 
 
+def _rounded_to_bfloat16(weight: torch.Tensor) -> torch.Tensor:
+    return weight.bfloat16().float()
+
+
+def _quantized_to_int8(weight: torch.Tensor) -> torch.Tensor:
+    """Each output feature (row) scaled so that its largest magnitude is 127, rounded, scaled
+    back."""
+    scale = weight.abs().amax(dim=1, keepdim=True) / 127
+    return (weight / scale).round().clamp(-127, 127) * scale
+
+
+@pytest.mark.parametrize(
+    ("packed_dtype", "stand_in"),
+    [("bfloat16", _rounded_to_bfloat16), ("int8", _quantized_to_int8)],
+)
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_bfloat16_packed_weights_match_transformers_on_rounded_weights(
-    architecture, tiny_checkpoint
+def test_narrow_packed_weights_match_transformers_on_the_weights_they_hold(
+    architecture, packed_dtype, stand_in, tiny_checkpoint
 ):
-    """bfloat16 panels with float32 arithmetic compute what float32 computes from weights rounded
-    to bfloat16, so transformers with its linear weights (tied logits included, not the embedding
-    lookup) rounded that way is the reference."""
-    llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32", packed_weight_dtype="bfloat16")
-    assert llm.engine.runner.model.layers[0].mlp.down_proj.packed_weight.dtype == torch.bfloat16
+    """bfloat16 and int8 panels with float32 arithmetic compute what float32 computes from the
+    weights they hold (rounded, or quantized per output feature), so transformers with its linear
+    weights (tied logits included, not the embedding lookup) replaced by those is the reference."""
+    llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32", packed_weight_dtype=packed_dtype)
+    panels = llm.engine.runner.model.layers[0].mlp.down_proj.packed_weight.panels
+    assert panels.dtype == getattr(torch, packed_dtype)
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(architecture), dtype=torch.float32)
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            rounded = module.weight.detach().bfloat16().float()
-            module.weight = torch.nn.Parameter(rounded, requires_grad=False)
+            held = stand_in(module.weight.detach())
+            module.weight = torch.nn.Parameter(held, requires_grad=False)
     expected = [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
     assert _generate(llm) == expected
 

@@ -75,33 +75,61 @@ def test_decode_attention_rejects_mismatched_inputs():
         kernel(torch.zeros(1, 4, 8), cache, cache, tables + 4, lens, 1.0, 0)
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def _weights_to_pack(out_features, in_features, weight_dtype, generator):
+    """(what pack_linear_weight takes, per-feature scale or None, the weights it stands for)."""
+    if weight_dtype == torch.int8:
+        values = torch.randint(-127, 128, (out_features, in_features), generator=generator)
+        scale = torch.rand(out_features, generator=generator) / 64
+        return values.to(torch.int8), scale, values.double() * scale.double()[:, None]
+    weight = torch.randn(out_features, in_features, generator=generator).to(weight_dtype)
+    return weight, None, weight.double()
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features", "with_bias"),
     [
         (1, 576, 960, False),  # one decode through SmolLM2's fused qkv
         (13, 64, 48, True),  # two whole tiles of 6 rows and one row; three panels
-        (40, 64, 48, True),  # bfloat16 panels widened once for all tiles
+        (40, 64, 48, True),  # bfloat16 and int8 panels widened once for all tiles
         (5, 20, 40, True),  # a last panel with 8 of its 16 features (32 with AVX-512)
+        (2, 40, 200, True),  # tiles of 2 rows over 3 panels, then the panels left one by one
+        (9, 24, 120, False),  # one whole tile, then 3 rows over 2 panels at a time
         (7, 1, 3, False),
     ],
 )
 def test_packed_linear_matches_plain_product(
     rows, in_features, out_features, with_bias, weight_dtype
 ):
-    """The arithmetic is float32 whatever the weights are stored as: the reference multiplies the
-    stored (for bfloat16, rounded) weights in float64."""
+    """The arithmetic is float32 whatever the panels hold: the reference multiplies the weights
+    they stand for (bfloat16: rounded; int8: value times scale) in float64."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=generator).to(weight_dtype)
+    to_pack, scale, weight = _weights_to_pack(out_features, in_features, weight_dtype, generator)
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     x = torch.randn(rows, in_features, generator=generator)
-    packed = torch.ops.pagedserve.pack_linear_weight(weight)
+    packed = torch.ops.pagedserve.pack_linear_weight(to_pack)
 
-    out = torch.ops.pagedserve.packed_linear(x, packed, out_features, bias)
+    out = torch.ops.pagedserve.packed_linear(x, packed, out_features, bias, scale)
 
-    expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    expected = x.double() @ weight.T + (bias.double() if with_bias else 0)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
+    """Tiles of different heights and widths sum every output in the same order, so a sequence's
+    logits are the same bits whatever else shares its step."""
+    assert cpu_kernels_available()
+    generator = torch.Generator().manual_seed(0)
+    to_pack, scale, _ = _weights_to_pack(200, 96, weight_dtype, generator)
+    bias = torch.randn(200, generator=generator)
+    packed = torch.ops.pagedserve.pack_linear_weight(to_pack)
+    x = torch.randn(20, 96, generator=generator)
+    alone = torch.ops.pagedserve.packed_linear(x[:1], packed, 200, bias, scale)
+    for rows in range(2, 21):
+        batched = torch.ops.pagedserve.packed_linear(x[:rows], packed, 200, bias, scale)
+        assert torch.equal(batched[:1], alone), f"row 0 changed in a batch of {rows}"
 
 
 def test_packed_linear_reads_strided_inputs():
@@ -124,7 +152,14 @@ def test_packed_linear_rejects_mismatched_inputs():
         linear(torch.zeros(2, 8), packed, 40, torch.zeros(39))
     with pytest.raises(RuntimeError, match="input must be a 2-D float32 tensor"):
         linear(torch.zeros(2, 8, dtype=torch.float64), packed, 40, None)
-    with pytest.raises(RuntimeError, match="weight must be a 2-D float32 or bfloat16 tensor"):
+    with pytest.raises(RuntimeError, match="scale is required for int8 panels and only for them"):
+        linear(torch.zeros(2, 8), packed, 40, None, torch.ones(40))
+    int8_packed = torch.ops.pagedserve.pack_linear_weight(torch.zeros(40, 8, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="scale is required for int8 panels"):
+        linear(torch.zeros(2, 8), int8_packed, 40, None)
+    with pytest.raises(RuntimeError, match="scale must be float32 of 40 features"):
+        linear(torch.zeros(2, 8), int8_packed, 40, None, torch.ones(40, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="weight must be a 2-D float32, bfloat16 or int8"):
         torch.ops.pagedserve.pack_linear_weight(torch.zeros(4, 4, dtype=torch.float16))
 
 

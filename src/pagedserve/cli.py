@@ -43,8 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--packed-weight-dtype",
         choices=PACKED_WEIGHT_DTYPES,
         default=defaults["packed_weight_dtype"],
-        help="float32 on CPU: store the packed linear weights as this (float32 arithmetic either "
-        "way); bfloat16 halves the bytes a decode step reads and rounds the weights",
+        help="float32 on CPU: store the packed linear weights as this (float32 arithmetic in "
+        "every case); bfloat16 halves the bytes a decode step reads and rounds the weights, int8 "
+        "quarters them and quantizes each output feature with its own scale",
     )
     group.add_argument(
         "--no-decode-kernel",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 SCHEDULER_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-PACKED_WEIGHT_DTYPES = ("float32", "bfloat16")
+PACKED_WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -30,7 +30,8 @@ class EngineConfig:
     # RMSNorm, SwiGLU and rotation with the cache write (pagedserve.model.kernels).
     cpu_kernels: bool = True
     # What those packed weights are stored as; the arithmetic stays float32. bfloat16 halves the
-    # bytes each decode step reads, and rounds the weights.
+    # bytes each decode step reads, and rounds the weights; int8 quarters them, each output
+    # feature quantized with its own scale.
     packed_weight_dtype: str = "float32"
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True

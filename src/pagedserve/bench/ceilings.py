@@ -16,12 +16,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.model.decoder import DecoderModel
-from pagedserve.model.layers import (
-    Linear,
-    can_use_cpu_kernels,
-    pack_linear_weight,
-    packed_linear,
-)
+from pagedserve.model.layers import Linear, PackedWeight, can_use_cpu_kernels
 from pagedserve.timing import Stopwatch
 
 
@@ -39,15 +34,31 @@ class Ceilings:
 
 @dataclass
 class ModelCost:
-    weight_bytes: int  # read once per decode step
+    weight_elements: int  # every weight, read once per decode step
+    element_size: int  # bytes per weight, in the model's dtype
+    packed_elements: int  # of those, the linear maps' (the tied output projection included)
     flops_per_token: float
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weight_elements * self.element_size
+
+    def step_bytes(self, packed_element_size: int | None = None) -> int:
+        """The bytes of weights a decode step reads, with the linear maps' weights stored at
+        packed_element_size bytes each when given (int8 panels' scales, one float per output
+        feature, left aside)."""
+        if packed_element_size is None:
+            return self.weight_bytes
+        return self.weight_bytes - self.packed_elements * (self.element_size - packed_element_size)
 
     def compute_bound_tokens_per_s(self, ceilings: Ceilings, dtype: str) -> float:
         return 1e9 * ceilings.matmul_gflops[dtype] / self.flops_per_token
 
-    def bandwidth_bound_tokens_per_s(self, ceilings: Ceilings) -> float:
-        """Tokens/s of one stream that reads every weight once per token."""
-        return 1e9 * ceilings.bandwidth_gbs / self.weight_bytes
+    def bandwidth_bound_tokens_per_s(
+        self, ceilings: Ceilings, packed_element_size: int | None = None
+    ) -> float:
+        """Tokens/s of one stream that reads every weight once per token (see step_bytes)."""
+        return 1e9 * ceilings.bandwidth_gbs / self.step_bytes(packed_element_size)
 
     def ideal_tokens_per_s(self, ceilings: Ceilings, dtype: str, batch: int) -> float:
         return min(
@@ -78,15 +89,21 @@ def matmul_gflops(dtype: torch.dtype, device: torch.device, size: int = 1024) ->
     b = torch.randn(size, size, device=device).to(dtype)
     seconds = _best_seconds(lambda: torch.mm(a, b), device)
     if can_use_cpu_kernels(device, dtype):
-        packed = pack_linear_weight(b.T, dtype)  # packed_linear multiplies by its transpose
-        seconds = min(seconds, _best_seconds(lambda: packed_linear(a, packed, size, None), device))
+        packed = PackedWeight.pack(b.T, dtype)  # a linear map multiplies by its transpose
+        seconds = min(seconds, _best_seconds(lambda: packed(a), device))
     return 2 * size**3 / seconds / 1e9
 
 
 def bandwidth_gbs(device: torch.device, num_bytes: int = 256 * 2**20) -> float:
-    """Reading a buffer far larger than the caches, as a decode step reads the weights."""
+    """Reading a buffer far larger than the caches, as a decode step reads the weights. Where the
+    engine has its own packed product (float32 on CPU), one row through a float32 weight of that
+    size is timed too and the faster read counts: it reads faster than torch's sum here."""
     buffer = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     seconds = _best_seconds(lambda: buffer.sum(), device)
+    if can_use_cpu_kernels(device, torch.float32):
+        packed = PackedWeight.pack(buffer.view(-1, 2048), torch.float32)
+        row = torch.ones(1, 2048)
+        seconds = min(seconds, _best_seconds(lambda: packed(row), device))
     return num_bytes / seconds / 1e9
 
 
@@ -127,12 +144,16 @@ def model_cost(model: DecoderModel) -> ModelCost:
     linear_elements = sum(linear.in_features * linear.out_features for linear in linears)
     plain_linear_weights = {id(linear.weight) for linear in linears if linear.weight is not None}
     other_elements = sum(p.numel() for p in model.parameters() if id(p) not in plain_linear_weights)
-    weight_bytes = (linear_elements + other_elements) * model.embed_tokens.element_size()
     multiplied = linear_elements
     # Tied embeddings are also the output projection; untied ones are only looked up.
     if model.lm_head is None:
         multiplied += model.embed_tokens.numel()
-    return ModelCost(weight_bytes, 2.0 * multiplied)
+    return ModelCost(
+        linear_elements + other_elements,
+        model.embed_tokens.element_size(),
+        multiplied,
+        2.0 * multiplied,
+    )
 
 
 def machine_description() -> dict:

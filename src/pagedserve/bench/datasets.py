@@ -23,6 +23,11 @@ class BenchRequest:
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def engine_prompt(self) -> dict[str, list[int]]:
+        """The prompt as LLM.generate and LLMEngine.add_request take token ids."""
+        return {"prompt_token_ids": self.prompt_token_ids}
+
 
 def w1_requests() -> list[BenchRequest]:
     """The fixed workload W1: 64 requests, 4,429 prompt and 8,632 output tokens."""

@@ -100,7 +100,7 @@ WARM_UP = BenchRequest(list(range(100, 132)), 4)
 
 def warm_up(llm: LLM) -> None:
     """One short request, so that one-time costs of the first forward are billed to no run."""
-    llm.generate({"prompt_token_ids": WARM_UP.prompt_token_ids}, greedy_params([WARM_UP]))
+    llm.generate(WARM_UP.engine_prompt, greedy_params([WARM_UP]))
 
 
 def run_engine(llm: LLM, requests: list[BenchRequest], batch_size: int | None = None) -> OfflineRun:
@@ -108,7 +108,7 @@ def run_engine(llm: LLM, requests: list[BenchRequest], batch_size: int | None = 
     names the run's batch when it is not the engine's max_num_seqs."""
     warm_up(llm)
     engine = llm.engine
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    prompts = [r.engine_prompt for r in requests]
     with StepRecorder(engine) as recorder, Stopwatch(engine.runner.device) as watch:
         outputs = llm.generate(prompts, greedy_params(requests))
     return OfflineRun(

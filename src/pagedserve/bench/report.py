@@ -46,6 +46,8 @@ from pagedserve.engine.model_runner import resolve_device
 
 logger = logging.getLogger(__name__)
 POLICIES = ("continuous", "static")
+# Packed weight dtypes run beside float32 (--packed-weight-dtype): fewer bytes per decode step.
+NARROW_WEIGHT_DTYPES = ("bfloat16", "int8")
 T = TypeVar("T")
 
 
@@ -59,7 +61,8 @@ class ReportConfig:
     # Every W1 request seated at once: the offline figure the HTTP run is compared with.
     w1_all_seated: int = 64
     single_stream: tuple[int, int] = (32, 128)  # prompt and output tokens
-    # float32 against bfloat16 packed weights: W1's first requests, outputs capped at this length.
+    # float32 against bfloat16 and int8 packed weights: W1's first requests, outputs capped at
+    # this length.
     agreement_requests: int = 16
     agreement_output_len: int = 64
     profile_batches: tuple[int, ...] = (1, 64)
@@ -151,8 +154,8 @@ def _measure_and_render(
         ),
         http=stages.run("W1 over HTTP", partial(_w1_http_run, config, requests)),
         single_stream=stages.run("single stream", partial(_single_stream_run, config)),
-        bfloat16_agreement=stages.run(
-            "bfloat16 weights agreement", partial(_bfloat16_agreement, config)
+        narrow_weights_agreement=stages.run(
+            "narrow weights agreement", partial(_narrow_weights_agreement, config)
         ),
         profiles=stages.run("step profiles", partial(_profile_runs, config)),
         long_prompts=stages.run("long prompts", partial(_long_prompt_runs, config)),
@@ -210,7 +213,7 @@ def _w1_http_run(config: ReportConfig, requests: list[BenchRequest]) -> dict:
 
 def _single_stream_run(config: ReportConfig) -> list[dict]:
     """One request alone through our engine, through transformers' generate, then through our
-    engine with bfloat16 packed weights."""
+    engine with each narrower dtype of packed weights."""
     prompt_len, output_len = config.single_stream
     requests = fixed_requests(1, prompt_len, output_len)
     engine_args = {**config.engine_args, "max_num_seqs": 1}
@@ -218,22 +221,24 @@ def _single_stream_run(config: ReportConfig) -> list[dict]:
         run.summary() for run in run_throughput(engine_args, requests, "transformers")
     )
     work = partial(run_engine, requests=requests)
-    bfloat16 = with_fresh_llm(engine_args, work, packed_weight_dtype="bfloat16").summary()
-    return [
-        ours | {"name": "ours"},
-        transformers,
-        bfloat16 | {"name": "ours, bfloat16 packed weights"},
+    narrow = [
+        with_fresh_llm(engine_args, work, packed_weight_dtype=dtype).summary()
+        | {"name": f"ours, {dtype} packed weights", "packed_weight_dtype": dtype}
+        for dtype in NARROW_WEIGHT_DTYPES
     ]
+    return [ours | {"name": "ours"}, transformers, *narrow]
 
 
-def _bfloat16_agreement(config: ReportConfig) -> dict:
-    """W1's first requests, outputs capped, greedy from float32 and from bfloat16 packed weights."""
+def _narrow_weights_agreement(config: ReportConfig) -> list[dict]:
+    """W1's first requests, outputs capped, greedy from float32 and from each narrower dtype of
+    packed weights."""
     requests = [
         BenchRequest(r.prompt_token_ids, min(r.output_len, config.agreement_output_len))
         for r in w1_requests()[: config.agreement_requests]
     ]
     engine_args = {**config.engine_args, "max_num_seqs": config.agreement_requests}
-    return greedy_agreement(engine_args, requests, packed_weight_dtype="bfloat16")
+    variants = [{"packed_weight_dtype": dtype} for dtype in NARROW_WEIGHT_DTYPES]
+    return greedy_agreement(engine_args, requests, variants)
 
 
 def _profile_runs(config: ReportConfig) -> list[StepProfile]:

@@ -85,7 +85,7 @@ def _prefilling(engine: LLMEngine) -> bool:
 
 def _submit(engine: LLMEngine, requests: list[BenchRequest]) -> list[str]:
     return [
-        engine.add_request({"prompt_token_ids": r.prompt_token_ids}, params)
+        engine.add_request(r.engine_prompt, params)
         for r, params in zip(requests, greedy_params(requests), strict=True)
     ]
 
@@ -175,28 +175,32 @@ def _submit_timed(
     return ids
 
 
-def greedy_agreement(engine_args: dict, requests: list[BenchRequest], **variant) -> dict:
-    """Greedy outputs of the engine as configured, then with the `variant` settings, compared
+def greedy_agreement(
+    engine_args: dict, requests: list[BenchRequest], variants: list[dict]
+) -> list[dict]:
+    """Greedy outputs of the engine as configured, then with each variant's settings, compared
     request by request: how many are identical, and the mean share of an output that comes
-    before its first differing token."""
+    before its first differing token. One result per variant."""
 
     def outputs(llm: LLM) -> list[list[int]]:
-        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        prompts = [r.engine_prompt for r in requests]
         return [out.outputs[0].token_ids for out in llm.generate(prompts, greedy_params(requests))]
 
     reference = with_fresh_llm(engine_args, outputs)
-    candidate = with_fresh_llm(engine_args, outputs, **variant)
-    shares = [
-        _common_prefix_len(ours, theirs) / len(ours)
-        for ours, theirs in zip(reference, candidate, strict=True)
-    ]
-    return {
-        "variant": variant,
-        "requests": len(requests),
-        "output_tokens": sum(len(tokens) for tokens in reference),
-        "identical": sum(ours == theirs for ours, theirs in zip(reference, candidate, strict=True)),
-        "mean_share_before_divergence": sum(shares) / len(shares),
-    }
+    results = []
+    for variant in variants:
+        pairs = list(zip(reference, with_fresh_llm(engine_args, outputs, **variant), strict=True))
+        shares = [_common_prefix_len(ours, theirs) / len(ours) for ours, theirs in pairs]
+        results.append(
+            {
+                "variant": variant,
+                "requests": len(requests),
+                "output_tokens": sum(len(tokens) for tokens in reference),
+                "identical": sum(ours == theirs for ours, theirs in pairs),
+                "mean_share_before_divergence": sum(shares) / len(shares),
+            }
+        )
+    return results
 
 
 def _common_prefix_len(first: list[int], second: list[int]) -> int:

@@ -35,7 +35,7 @@ def run_seed_scenario(engine_args: dict, policy: str) -> list[Segment]:
 
 def _segments(llm) -> list[Segment]:
     requests = list(SEED_SCENARIO.values())
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    prompts = [r.engine_prompt for r in requests]
     with StepRecorder(llm.engine) as recorder:
         outputs = llm.generate(prompts, greedy_params(requests))
     names = {out.request_id: name for out, name in zip(outputs, SEED_SCENARIO, strict=True)}

@@ -10,12 +10,11 @@ from pagedserve.model.attention import AttentionBatch, PagedAttention
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.layers import (
     Linear,
+    PackedWeight,
     RMSNorm,
     RotaryAngles,
     RotaryEmbedding,
     SwiGLU,
-    pack_linear_weight,
-    packed_linear,
 )
 
 
@@ -44,7 +43,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None
-        self.packed_embeddings: torch.Tensor | None = None
+        self.packed_embeddings: PackedWeight | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         self.rotary = RotaryEmbedding(
@@ -63,13 +62,12 @@ class DecoderModel(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.packed_embeddings is not None:
-            vocab_size = self.config.vocab_size
-            return packed_linear(hidden, self.packed_embeddings, vocab_size, None).float()
+            return self.packed_embeddings(hidden)
         return F.linear(hidden, self.embed_tokens).float()
 
     def use_cpu_kernels(self, weight_dtype: torch.dtype) -> None:
         """Packs every linear map's weight, as weight_dtype, for the C++ product (see
-        `pack_linear_weight`) and turns on the other C++ kernels: RMSNorm, SwiGLU, and the rotation
+        PackedWeight) and turns on the other C++ kernels: RMSNorm, SwiGLU, and the rotation
         with the cache write where no query and key norms come first. Tied embeddings keep their
         plain copy for the lookup and gain a packed one for the logits."""
         for module in self.modules():
@@ -80,7 +78,7 @@ class DecoderModel(nn.Module):
             elif isinstance(module, PagedAttention):
                 module.fused = module.q_norm is None
         if self.lm_head is None:
-            self.packed_embeddings = pack_linear_weight(self.embed_tokens, weight_dtype)
+            self.packed_embeddings = PackedWeight.pack(self.embed_tokens, weight_dtype)
 
     def kv_cache_bytes_per_token(self) -> int:
         config = self.config

@@ -17,17 +17,33 @@ def can_use_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
 
 
-def pack_linear_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight ([out, in]) reordered once, at load time, into the panels `packed_linear` streams
-    (csrc/packed_linear.cpp), stored as dtype (float32 or bfloat16)."""
-    return torch.ops.pagedserve.pack_linear_weight(weight.detach().to(dtype))
+@dataclass
+class PackedWeight:
+    """A linear weight ([out, in]) reordered once, at load time, into the panels the C++ product
+    streams (csrc/packed_linear.cpp). The panels hold float32 or bfloat16 weights, or int8 values
+    with a float32 scale per output feature; the arithmetic is float32 in every case."""
 
+    panels: torch.Tensor
+    out_features: int
+    scale: torch.Tensor | None  # int8 panels: weight[j] = scale[j] * value[j]
 
-def packed_linear(
-    x: torch.Tensor, packed_weight: torch.Tensor, out_features: int, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x: [rows, in] -> [rows, out_features]."""
-    return torch.ops.pagedserve.packed_linear(x, packed_weight, out_features, bias)
+    @classmethod
+    def pack(cls, weight: torch.Tensor, dtype: torch.dtype) -> PackedWeight:
+        """dtype: float32, bfloat16 (weights rounded), or int8 (each output feature quantized
+        symmetrically, its largest magnitude mapped to 127)."""
+        weight = weight.detach().float()
+        scale = None
+        if dtype == torch.int8:
+            scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+            weight = (weight / scale[:, None]).round_().clamp_(-127, 127)
+        panels = torch.ops.pagedserve.pack_linear_weight(weight.to(dtype))
+        return cls(panels, weight.shape[0], scale)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [rows, in] float32 -> [rows, out_features]."""
+        return torch.ops.pagedserve.packed_linear(
+            x, self.panels, self.out_features, bias, self.scale
+        )
 
 
 class Linear(nn.Module):
@@ -38,16 +54,16 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
 
     def pack_weight(self, dtype: torch.dtype) -> None:
-        """Replaces the loaded weight with its packed copy (see `pack_linear_weight`)."""
-        self.packed_weight = pack_linear_weight(self.weight, dtype)
+        """Replaces the loaded weight with its packed copy, stored as dtype (see PackedWeight)."""
+        self.packed_weight = PackedWeight.pack(self.weight, dtype)
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.out_features, self.bias)
+            return self.packed_weight(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

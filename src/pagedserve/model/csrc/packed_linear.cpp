@@ -7,8 +7,10 @@
 // this reads the weights at the memory bandwidth for one row and beats oneDNN's packed product
 // (1.4-1.6x at 1-32 rows, 1.1-1.4x at 64-512, as fast at 2048).
 //
-// Panels hold float32 or bfloat16 weights. The arithmetic is float32 either way, so bfloat16
-// halves the bytes a decode step reads on CPUs that have no bfloat16 arithmetic.
+// Panels hold float32 or bfloat16 weights, or int8 values with a float32 scale per output
+// feature (weight = scale * value). The arithmetic is float32 whatever they hold, so bfloat16
+// halves and int8 quarters the bytes a decode step reads, on CPUs with no bfloat16 or int8
+// arithmetic too.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,11 +45,37 @@ constexpr int64_t kPanel = 2 * Vec::size();  // output features of one panel
 // the 16 vector registers of AVX2.
 constexpr int64_t kRows = 6;
 
+// Panels of one tile of `rows` input rows. Each accumulator is a chain of dependent multiply-adds,
+// so a tile needs about as many of them as fit (2 * kRows) to keep the FMA units busy: with one
+// row and one panel (a decode step alone) the product ran at half speed, waiting on latency.
+// Panels are independent, so every output is still summed in the same order whatever the tile,
+// and a sequence's outputs do not depend on what else is in its batch.
+constexpr int64_t panels_per_tile(int64_t rows) { return std::max<int64_t>(1, kRows / rows); }
+
 // One input position of a panel, its kPanel weights, as two float vectors.
 template <typename weight_t>
 std::pair<Vec, Vec> load_weights(const weight_t* weights) {
   if constexpr (std::is_same_v<weight_t, float>) {
     return {Vec::loadu(weights), Vec::loadu(weights + Vec::size())};
+  } else if constexpr (std::is_same_v<weight_t, int8_t>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const auto widen = [](const int8_t* bytes) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+      return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(packed)));
+    };
+#elif defined(CPU_CAPABILITY_AVX2)
+    const auto widen = [](const int8_t* bytes) {
+      const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+      return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed)));
+    };
+#else
+    const auto widen = [](const int8_t* bytes) {
+      float values[Vec::size()];
+      std::copy(bytes, bytes + Vec::size(), values);
+      return Vec::loadu(values);
+    };
+#endif
+    return {widen(weights), widen(weights + Vec::size())};
   } else {
     using Stored = at::vec::Vectorized<weight_t>;
     static_assert(Stored::size() == kPanel);
@@ -56,64 +84,171 @@ std::pair<Vec, Vec> load_weights(const weight_t* weights) {
   }
 }
 
-// out[m][j] = bias[j] + x[m] . panel[:, j] for `rows` input rows and `cols` <= kPanel features.
-// Every loop over the accumulators is unrolled, for the same reason.
-template <int64_t rows, typename weight_t>
-void tile(const float* x, int64_t in_features, const weight_t* panel, const float* bias,
+// What a tile makes of its sums: for int8 panels, the scale of each output feature, then the
+// bias. Each covers whole panels; nullptr when absent.
+struct Epilogue {
+  const float* bias;
+  const float* scale;  // absent: the panels hold the weights themselves
+
+  Epilogue at_feature(int64_t feature) const {
+    return {bias == nullptr ? nullptr : bias + feature,
+            scale == nullptr ? nullptr : scale + feature};
+  }
+  Vec bias_at(int64_t feature) const {
+    return bias == nullptr ? Vec(0.0f) : Vec::loadu(bias + feature);
+  }
+};
+
+// out[m][j] = bias[j] + scale[j] * (x[m] . panel[:, j]) for `rows` input rows against `panels`
+// consecutive panels, of which the first `cols` <= panels * kPanel features are written.
+// Every loop over the accumulators is unrolled: see Register.
+template <int64_t rows, int64_t panels, typename weight_t>
+void tile(const float* x, int64_t in_features, const weight_t* panel, Epilogue epilogue,
           float* out, int64_t out_stride, int64_t cols) {
-  const Vec bias_low = Vec::loadu(bias), bias_high = Vec::loadu(bias + Vec::size());
-  Register low[rows], high[rows];
-#pragma GCC unroll 8
-  for (int64_t m = 0; m < rows; ++m) {
-    low[m] = bias_low;
-    high[m] = bias_high;
+  constexpr int64_t kSums = 2 * panels;  // accumulators per row
+  const int64_t panel_size = in_features * kPanel;
+  Register sums[rows][kSums];
+#pragma GCC unroll 12
+  for (int64_t j = 0; j < kSums; ++j) {
+    // Unscaled weights start from the bias, so float32 panels round as the plain product does.
+    const Vec start = epilogue.scale == nullptr ? epilogue.bias_at(j * Vec::size()) : Vec(0.0f);
+#pragma GCC unroll 6
+    for (int64_t m = 0; m < rows; ++m) sums[m][j] = start;
   }
   for (int64_t k = 0; k < in_features; ++k) {
-    const auto [w_low, w_high] = load_weights(panel + k * kPanel);
-#pragma GCC unroll 8
-    for (int64_t m = 0; m < rows; ++m) {
-      const Vec value(x[m * in_features + k]);
-      low[m] = at::vec::fmadd(value, w_low, Vec(low[m]));
-      high[m] = at::vec::fmadd(value, w_high, Vec(high[m]));
+#pragma GCC unroll 6
+    for (int64_t p = 0; p < panels; ++p) {
+      const auto [w_low, w_high] = load_weights(panel + p * panel_size + k * kPanel);
+#pragma GCC unroll 6
+      for (int64_t m = 0; m < rows; ++m) {
+        const Vec value(x[m * in_features + k]);
+        sums[m][2 * p] = at::vec::fmadd(value, w_low, Vec(sums[m][2 * p]));
+        sums[m][2 * p + 1] = at::vec::fmadd(value, w_high, Vec(sums[m][2 * p + 1]));
+      }
     }
   }
-  float buffer[kPanel];
-#pragma GCC unroll 8
+  float buffer[panels * kPanel];
+#pragma GCC unroll 6
   for (int64_t m = 0; m < rows; ++m) {
-    Vec(low[m]).store(buffer);
-    Vec(high[m]).store(buffer + Vec::size());
+#pragma GCC unroll 12
+    for (int64_t j = 0; j < kSums; ++j) {
+      Vec sum(sums[m][j]);
+      if (epilogue.scale != nullptr) {
+        sum = at::vec::fmadd(sum, Vec::loadu(epilogue.scale + j * Vec::size()),
+                             epilogue.bias_at(j * Vec::size()));
+      }
+      sum.store(buffer + j * Vec::size());
+    }
     std::copy(buffer, buffer + cols, out + m * out_stride);
   }
 }
 
+// Rows [0, num_rows) against the single panel at `panel`, in tiles of up to kRows rows.
 template <typename weight_t>
 void rows_against_panel(const float* x, int64_t num_rows, int64_t in_features,
-                        const weight_t* panel, const float* bias, float* out, int64_t out_stride,
+                        const weight_t* panel, Epilogue epilogue, float* out, int64_t out_stride,
                         int64_t cols) {
   int64_t m = 0;
   for (; m + kRows <= num_rows; m += kRows)
-    tile<kRows>(x + m * in_features, in_features, panel, bias, out + m * out_stride, out_stride,
-                cols);
+    tile<kRows, 1>(x + m * in_features, in_features, panel, epilogue, out + m * out_stride,
+                   out_stride, cols);
   x += m * in_features;
   out += m * out_stride;
   switch (num_rows - m) {
-    case 5: return tile<5>(x, in_features, panel, bias, out, out_stride, cols);
-    case 4: return tile<4>(x, in_features, panel, bias, out, out_stride, cols);
-    case 3: return tile<3>(x, in_features, panel, bias, out, out_stride, cols);
-    case 2: return tile<2>(x, in_features, panel, bias, out, out_stride, cols);
-    case 1: return tile<1>(x, in_features, panel, bias, out, out_stride, cols);
+    case 5: return tile<5, 1>(x, in_features, panel, epilogue, out, out_stride, cols);
+    case 4: return tile<4, 1>(x, in_features, panel, epilogue, out, out_stride, cols);
+    case 3: return tile<3, 1>(x, in_features, panel, epilogue, out, out_stride, cols);
+    case 2: return tile<2, 1>(x, in_features, panel, epilogue, out, out_stride, cols);
+    case 1: return tile<1, 1>(x, in_features, panel, epilogue, out, out_stride, cols);
     default: return;
   }
 }
 
-bool is_weight_type(at::ScalarType type) {
-  return type == at::kFloat || type == at::kBFloat16;
+// `rows` (< kRows) rows against panels [begin, end), panels_per_tile(rows) panels at a time.
+template <int64_t rows, typename weight_t>
+void few_rows_against_panels(const float* x, int64_t in_features, const weight_t* weights,
+                             Epilogue epilogue, float* out, int64_t out_features, int64_t begin,
+                             int64_t end) {
+  constexpr int64_t group = panels_per_tile(rows);
+  const int64_t panel_size = in_features * kPanel;
+  for (int64_t p = begin; p < end;) {
+    const int64_t first = p * kPanel;
+    const Epilogue at_panel = epilogue.at_feature(first);
+    const int64_t cols_left = out_features - first;
+    if (p + group <= end) {
+      tile<rows, group>(x, in_features, weights + p * panel_size, at_panel, out + first,
+                        out_features, std::min(group * kPanel, cols_left));
+      p += group;
+    } else {
+      tile<rows, 1>(x, in_features, weights + p * panel_size, at_panel, out + first, out_features,
+                    std::min(kPanel, cols_left));
+      p += 1;
+    }
+  }
 }
 
-// The panels keep the weight's dtype: float32 or bfloat16.
+template <typename weight_t>
+void few_rows_against_panels(int64_t rows, const float* x, int64_t in_features,
+                             const weight_t* weights, Epilogue epilogue, float* out,
+                             int64_t out_features, int64_t begin, int64_t end) {
+  const auto run = [&](auto rows_constant) {
+    few_rows_against_panels<decltype(rows_constant)::value>(x, in_features, weights, epilogue, out,
+                                                            out_features, begin, end);
+  };
+  switch (rows) {
+    case 5: return run(std::integral_constant<int64_t, 5>{});
+    case 4: return run(std::integral_constant<int64_t, 4>{});
+    case 3: return run(std::integral_constant<int64_t, 3>{});
+    case 2: return run(std::integral_constant<int64_t, 2>{});
+    case 1: return run(std::integral_constant<int64_t, 1>{});
+    default: return;
+  }
+}
+
+// Panels [begin, end) of the product. Float32 panels, and any panels for up to 2 * kRows rows,
+// are read as stored: whole tiles one panel at a time, the rows left over several panels at a
+// time. Beyond that, a bfloat16 or int8 panel is widened once into float32 for all the tiles
+// instead of by each tile again: measured here, widening pays from 16 rows on, and without it 64
+// rows ran 1.3x slower than from float32 weights.
+template <typename weight_t>
+void product(const float* x, int64_t num_rows, int64_t in_features, const weight_t* weights,
+             Epilogue epilogue, float* out, int64_t out_features, int64_t begin, int64_t end) {
+  const int64_t panel_size = in_features * kPanel;
+  const auto panel_epilogue = [&](int64_t p) { return epilogue.at_feature(p * kPanel); };
+  const auto cols_of = [&](int64_t p) { return std::min(kPanel, out_features - p * kPanel); };
+  if (!std::is_same_v<weight_t, float> && num_rows > 2 * kRows) {
+    std::vector<float> widened(panel_size);
+    for (int64_t p = begin; p < end; ++p) {
+      at::vec::convert(weights + p * panel_size, widened.data(), panel_size);
+      rows_against_panel(x, num_rows, in_features, widened.data(), panel_epilogue(p),
+                         out + p * kPanel, out_features, cols_of(p));
+    }
+    return;
+  }
+  const int64_t whole_rows = num_rows - num_rows % kRows, rows_left = num_rows - whole_rows;
+  // The rows left over take their panels while the whole tiles have just read them (a second
+  // pass over all panels read the weights twice: 16 rows ran 1.1x slower).
+  const int64_t group = rows_left == 0 ? 1 : panels_per_tile(rows_left);
+  for (int64_t first = begin; first < end; first += group) {
+    const int64_t last = std::min(first + group, end);
+    for (int64_t p = first; p < last; ++p) {
+      rows_against_panel(x, whole_rows, in_features, weights + p * panel_size, panel_epilogue(p),
+                         out + p * kPanel, out_features, cols_of(p));
+    }
+    few_rows_against_panels(rows_left, x + whole_rows * in_features, in_features, weights,
+                            epilogue, out + whole_rows * out_features, out_features, first, last);
+  }
+}
+
+bool is_weight_type(at::ScalarType type) {
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kChar;
+}
+
+// The panels keep the weight's dtype: float32, bfloat16, or int8 (quantized values, whose
+// per-feature scales packed_linear takes apart).
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && is_weight_type(weight.scalar_type()),
-              "pack_linear_weight: weight must be a 2-D float32 or bfloat16 tensor, got ",
+              "pack_linear_weight: weight must be a 2-D float32, bfloat16 or int8 tensor, got ",
               weight.sizes(), " ", weight.scalar_type());
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
@@ -122,8 +257,24 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({panels, kPanel, in_features}).transpose(1, 2).contiguous();
 }
 
+// A float32 value per output feature, readable for whole panels: the tensor's own data when the
+// features fill their panels (no copy per call), else a copy padded with zeros, kept in `padded`.
+const float* per_feature(const std::optional<at::Tensor>& values, int64_t features,
+                         int64_t panels, const char* name, at::Tensor& padded) {
+  if (!values.has_value()) return nullptr;
+  TORCH_CHECK(values->dim() == 1 && values->size(0) == features &&
+                  values->scalar_type() == at::kFloat,
+              "packed_linear: ", name, " must be float32 of ", features, " features, got ",
+              values->sizes(), " ", values->scalar_type());
+  if (features == panels * kPanel && values->is_contiguous()) return values->data_ptr<float>();
+  padded = at::zeros({panels * kPanel}, at::kFloat);
+  padded.narrow(0, 0, features).copy_(*values);
+  return padded.data_ptr<float>();
+}
+
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weight,
-                         int64_t out_features, const std::optional<at::Tensor>& bias) {
+                         int64_t out_features, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& scale) {
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat,
               "packed_linear: input must be a 2-D float32 tensor, got ", input.sizes(), " ",
               input.scalar_type());
@@ -137,49 +288,24 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
   TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
               "packed_linear: out_features ", out_features, " does not fit ", panels, " panels of ",
               kPanel);
-  at::Tensor bias_values;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features &&
-                    bias->scalar_type() == at::kFloat,
-                "packed_linear: bias must be float32 of ", out_features, " features, got ",
-                bias->sizes(), " ", bias->scalar_type());
-    bias_values = bias->contiguous();
-  }
+  const bool quantized = packed_weight.scalar_type() == at::kChar;
+  TORCH_CHECK(quantized == scale.has_value(),
+              "packed_linear: scale is required for int8 panels and only for them");
+  at::Tensor padded_bias, padded_scale;
+  const Epilogue epilogue{per_feature(bias, out_features, panels, "bias", padded_bias),
+                          per_feature(scale, out_features, panels, "scale", padded_scale)};
   const at::Tensor x = input.contiguous();
   at::Tensor out = at::empty({num_rows, out_features}, input.options());
-  const float* x_data = x.data_ptr<float>();
-  const float* b_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
-  float* out_data = out.data_ptr<float>();
-  const auto product = [&](const auto* w_data) {
-    using weight_t = std::remove_cv_t<std::remove_pointer_t<decltype(w_data)>>;
-    // Beyond two tiles of rows, a bfloat16 panel is widened once into float32 for all of them,
-    // instead of by each tile again: measured here, widening pays from 16 rows on, and without it
-    // 64 rows ran 1.3x slower than from float32 weights.
-    const bool widen = !std::is_same_v<weight_t, float> && num_rows > 2 * kRows;
+  const auto run = [&](const auto* weights) {
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> widened(widen ? in_features * kPanel : 0);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t cols = std::min(kPanel, out_features - p * kPanel);
-        float panel_bias[kPanel] = {};
-        if (b_data != nullptr) {
-          std::copy(b_data + p * kPanel, b_data + p * kPanel + cols, panel_bias);
-        }
-        const weight_t* panel = w_data + p * in_features * kPanel;
-        if (widen) {
-          at::vec::convert(panel, widened.data(), in_features * kPanel);
-          rows_against_panel(x_data, num_rows, in_features, widened.data(), panel_bias,
-                             out_data + p * kPanel, out_features, cols);
-        } else {
-          rows_against_panel(x_data, num_rows, in_features, panel, panel_bias,
-                             out_data + p * kPanel, out_features, cols);
-        }
-      }
+      product(x.data_ptr<float>(), num_rows, in_features, weights, epilogue,
+              out.data_ptr<float>(), out_features, begin, end);
     });
   };
-  if (packed_weight.scalar_type() == at::kBFloat16) {
-    product(packed_weight.data_ptr<at::BFloat16>());
-  } else {
-    product(packed_weight.data_ptr<float>());
+  switch (packed_weight.scalar_type()) {
+    case at::kBFloat16: run(packed_weight.data_ptr<at::BFloat16>()); break;
+    case at::kChar: run(packed_weight.data_ptr<int8_t>()); break;
+    default: run(packed_weight.data_ptr<float>());
   }
   return out;
 }
@@ -189,8 +315,8 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def(
-      "packed_linear(Tensor input, Tensor packed_weight, int out_features, Tensor? bias) -> "
-      "Tensor");
+      "packed_linear(Tensor input, Tensor packed_weight, int out_features, Tensor? bias, "
+      "Tensor? scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
