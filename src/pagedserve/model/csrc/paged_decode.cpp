@@ -25,6 +25,9 @@ using Vec = at::vec::Vectorized<float>;
 // Query heads of one KV head whose dot products run interleaved: independent accumulators hide
 // the latency of the fused multiply-adds, and each key vector is loaded once for all of them.
 constexpr int64_t kHeadsAtOnce = 8;
+constexpr int64_t kCacheLine = 64;  // bytes
+// Rows are prefetched this many tokens ahead (4, 8 and 16 measured alike here; 32 was slower).
+constexpr int64_t kAhead = 8;
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
@@ -105,6 +108,16 @@ const scalar_t* cache_row(const scalar_t* cache, const int64_t* table, int64_t p
   return cache + (block * shape.block_size + position % shape.block_size) * shape.row();
 }
 
+// Asks for the cache row of `position` ahead of its use. Within a block rows are contiguous and
+// the hardware prefetcher follows them, but the next block can be anywhere in the cache.
+template <typename scalar_t>
+void prefetch_row(const scalar_t* cache, const int64_t* table, int64_t position,
+                  const Shape& shape) {
+  const char* row = reinterpret_cast<const char*>(cache_row(cache, table, position, shape));
+  const int64_t bytes = shape.row() * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t offset = 0; offset < bytes; offset += kCacheLine) __builtin_prefetch(row + offset);
+}
+
 // Buffers of one thread, reused across its sequences.
 struct Workspace {
   std::vector<float> query, out, scores, converted;
@@ -120,6 +133,7 @@ void attend_sequence(const scalar_t* query, const scalar_t* k_cache, const scala
     work.query[i] = static_cast<float>(query[i]) * scale;
   work.scores.resize(shape.num_heads * count);  // [head][token]
   for (int64_t position = first; position < context_len; ++position) {
+    if (position + kAhead < context_len) prefetch_row(k_cache, table, position + kAhead, shape);
     const scalar_t* row = cache_row(k_cache, table, position, shape);
     for (int64_t kv = 0; kv < shape.num_kv_heads; ++kv) {
       const float* key = as_floats(row + kv * head_dim, head_dim, work.converted.data());
@@ -133,6 +147,7 @@ void attend_sequence(const scalar_t* query, const scalar_t* k_cache, const scala
     softmax_in_place(work.scores.data() + h * count, count);
   std::fill(work.out.begin(), work.out.end(), 0.f);
   for (int64_t position = first; position < context_len; ++position) {
+    if (position + kAhead < context_len) prefetch_row(v_cache, table, position + kAhead, shape);
     const scalar_t* row = cache_row(v_cache, table, position, shape);
     for (int64_t kv = 0; kv < shape.num_kv_heads; ++kv) {
       const float* value = as_floats(row + kv * head_dim, head_dim, work.converted.data());
