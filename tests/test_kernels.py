@@ -174,6 +174,22 @@ def test_rms_norm_matches_torch(shape):
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 576), (7, 20), (3, 2048)])
+def test_add_rms_norm_updates_both_tensors_in_place(shape):
+    """The residual becomes residual + x and x its norm: the same bits as the add followed by the
+    separate rms_norm kernel."""
+    assert cpu_kernels_available()
+    generator = torch.Generator().manual_seed(0)
+    x, residual = (3 * torch.randn(shape, generator=generator) for _ in range(2))
+    weight = torch.randn(shape[-1], generator=generator)
+    expected_sum = residual + x
+    expected = torch.ops.pagedserve.rms_norm(expected_sum, weight, 1e-6)
+    torch.ops.pagedserve.add_rms_norm_(x, residual, weight, 1e-6)
+    assert torch.equal(residual, expected_sum)
+    assert torch.equal(x, expected)
+    torch.testing.assert_close(x, weight * F.rms_norm(expected_sum, shape[-1:], eps=1e-6))
+
+
 @pytest.mark.parametrize("shape", [(1, 3072), (5, 36), (64, 18)])
 def test_silu_and_mul_matches_torch(shape):
     assert cpu_kernels_available()
@@ -189,6 +205,10 @@ def test_norm_and_activation_reject_mismatched_inputs():
         torch.ops.pagedserve.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(RuntimeError, match="contiguous 2-D float32"):
         torch.ops.pagedserve.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="x \\[2, 8\\] and residual \\[3, 8\\] differ"):
+        torch.ops.pagedserve.add_rms_norm_(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 0.1)
+    with pytest.raises(RuntimeError, match="add_rms_norm_: weight must be float32 of 8"):
+        torch.ops.pagedserve.add_rms_norm_(torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(4), 0.1)
     with pytest.raises(RuntimeError, match="even width"):
         torch.ops.pagedserve.silu_and_mul(torch.zeros(2, 7))
 

@@ -27,10 +27,22 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
 
     def forward(
-        self, hidden: torch.Tensor, angles: RotaryAngles, batch: AttentionBatch
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), angles, batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        angles: RotaryAngles,
+        batch: AttentionBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's output, not yet added to residual, the residual stream;
+        before the first layer, residual is None and hidden is the stream itself. Returns the same
+        pair for the next layer, so that each add is done by the norm that follows it."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, angles, batch)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -52,11 +64,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """input_ids: [tokens], every scheduled token of the step packed together."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden, residual = F.embedding(input_ids, self.embed_tokens), None
         angles = self.rotary(batch.positions)
         for layer in self.layers:
-            hidden = layer(hidden, angles, batch)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, angles, batch)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -82,6 +82,18 @@ class RMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
         return self.weight * normed
 
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add of a decoder layer and the norm
+        after it. Fused, both happen in place, in one pass: x becomes the first, residual the
+        second."""
+        if self.fused:
+            torch.ops.pagedserve.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
+
 
 @dataclass
 class RotaryAngles:

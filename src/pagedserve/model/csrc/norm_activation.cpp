@@ -1,4 +1,5 @@
-// RMSNorm and the SwiGLU activation on the CPU, one pass over each row.
+// RMSNorm, alone or with the residual add before it, and the SwiGLU activation on the CPU, one
+// pass over each row.
 //
 // In torch each is a chain of small operators (RMSNorm: pow, mean, add, rsqrt and two products;
 // SwiGLU: silu and a product over strided halves), each a dispatch and a pass over memory. Here
@@ -32,32 +33,62 @@ void check_rows(const at::Tensor& x, const char* op) {
               x.scalar_type());
 }
 
-// weight * (x * rsqrt(mean(x^2) + eps)), the products in the order of the reference models.
+void check_weight(const at::Tensor& weight, int64_t size, const char* op) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.scalar_type() == at::kFloat &&
+                  weight.is_contiguous(),
+              op, ": weight must be float32 of ", size, " elements, got ", weight.sizes(), " ",
+              weight.scalar_type());
+}
+
+// out = weight * (in * rsqrt(mean(in^2) + eps)) for one row, the products in the order of the
+// reference models.
+void normalize_row(const float* in, const float* weight, int64_t size, float eps, float* out) {
+  const float squares = at::vec::map_reduce_all<float>(
+      [](Vec v) { return v * v; }, [](Vec a, Vec b) { return a + b; }, in, size);
+  const float scale = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
+  at::vec::map2<float>([scale](Vec v, Vec w) { return w * (v * Vec(scale)); }, out, in, weight,
+                       size);
+}
+
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
   const at::Tensor x = input.contiguous();
   check_rows(x, "rms_norm");
   const int64_t rows = x.size(0), size = x.size(1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.scalar_type() == at::kFloat &&
-                  weight.is_contiguous(),
-              "rms_norm: weight must be float32 of ", size, " elements, got ", weight.sizes(), " ",
-              weight.scalar_type());
+  check_weight(weight, size, "rms_norm");
   at::Tensor out = at::empty_like(x);
   const float* x_data = x.data_ptr<float>();
   const float* w_data = weight.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   at::parallel_for(0, rows, rows_per_task(size), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const float* in = x_data + row * size;
-      float* o = out_data + row * size;
-      const float squares = at::vec::map_reduce_all<float>(
-          [](Vec v) { return v * v; }, [](Vec a, Vec b) { return a + b; }, in, size);
-      const float mean = squares / static_cast<float>(size);
-      const float scale = 1.f / std::sqrt(mean + static_cast<float>(eps));
-      at::vec::map2<float>([scale](Vec v, Vec w) { return w * (v * Vec(scale)); }, o, in, w_data,
-                           size);
+      normalize_row(x_data + row * size, w_data, size, static_cast<float>(eps),
+                    out_data + row * size);
     }
   });
   return out;
+}
+
+// residual += x, then x = rms_norm(residual), both in place: a decoder layer's residual add and
+// the norm after it in one pass, with no new tensor (at one decode row, the add alone was a
+// dispatch and an allocation, twice per layer).
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm_");
+  check_rows(residual, "add_rms_norm_");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm_: x ", x.sizes(), " and residual ",
+              residual.sizes(), " differ in shape");
+  const int64_t rows = x.size(0), size = x.size(1);
+  check_weight(weight, size, "add_rms_norm_");
+  float* x_data = x.data_ptr<float>();
+  float* residual_data = residual.data_ptr<float>();
+  const float* w_data = weight.data_ptr<float>();
+  at::parallel_for(0, rows, rows_per_task(size), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      float* sum = residual_data + row * size;
+      float* normed = x_data + row * size;
+      at::vec::map2<float>([](Vec r, Vec v) { return r + v; }, sum, sum, normed, size);
+      normalize_row(sum, w_data, size, static_cast<float>(eps), normed);
+    }
+  });
 }
 
 // silu(gate) * up for gate_up = [gate | up] along the last dimension.
@@ -84,10 +115,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_and_mul", &silu_and_mul);
 }

@@ -48,7 +48,9 @@ constexpr int64_t kRows = 6;
 // row and one panel (a decode step alone) the product ran at half speed, waiting on latency.
 // Panels are independent, so every output is still summed in the same order whatever the tile,
 // and a sequence's outputs do not depend on what else is in its batch.
-constexpr int64_t panels_per_tile(int64_t rows) { return std::max<int64_t>(1, kRows / rows); }
+constexpr int64_t panels_per_tile(int64_t rows) {
+  return rows == 0 ? 1 : std::max<int64_t>(1, kRows / rows);
+}
 
 // Vec::size() consecutive stored weights as floats. Each conversion reads its weights straight
 // from memory: through at::vec's bfloat16 conversion, which loads a whole panel row and splits it,
@@ -99,10 +101,11 @@ struct Epilogue {
 
 // out[m][j] = bias[j] + scale[j] * (x[m] . panel[:, j]) for `rows` input rows against `panels`
 // consecutive panels, of which the first `cols` <= panels * kPanel features are written.
-// Every loop over the accumulators is unrolled: see Register.
+// Every loop over the accumulators is unrolled: see Register. Kept out of line: inlined into its
+// callers, five int8 rows ran 1.6x slower.
 template <int64_t rows, int64_t panels, typename weight_t>
-void tile(const float* x, int64_t in_features, const weight_t* panel, Epilogue epilogue,
-          float* out, int64_t out_stride, int64_t cols) {
+[[gnu::noinline]] void tile(const float* x, int64_t in_features, const weight_t* panel,
+                            Epilogue epilogue, float* out, int64_t out_stride, int64_t cols) {
   constexpr int64_t kSums = 2 * panels;  // accumulators per row
   const int64_t panel_size = in_features * kPanel;
   Register sums[rows][kSums];
@@ -142,45 +145,24 @@ void tile(const float* x, int64_t in_features, const weight_t* panel, Epilogue e
   }
 }
 
-// Rows [0, num_rows) against the single panel at `panel`, in tiles of up to kRows rows.
-template <typename weight_t>
-void rows_against_panel(const float* x, int64_t num_rows, int64_t in_features,
-                        const weight_t* panel, Epilogue epilogue, float* out, int64_t out_stride,
-                        int64_t cols) {
-  int64_t m = 0;
-  for (; m + kRows <= num_rows; m += kRows)
-    tile<kRows, 1>(x + m * in_features, in_features, panel, epilogue, out + m * out_stride,
-                   out_stride, cols);
-  x += m * in_features;
-  out += m * out_stride;
-  switch (num_rows - m) {
-    case 5: return tile<5, 1>(x, in_features, panel, epilogue, out, out_stride, cols);
-    case 4: return tile<4, 1>(x, in_features, panel, epilogue, out, out_stride, cols);
-    case 3: return tile<3, 1>(x, in_features, panel, epilogue, out, out_stride, cols);
-    case 2: return tile<2, 1>(x, in_features, panel, epilogue, out, out_stride, cols);
-    case 1: return tile<1, 1>(x, in_features, panel, epilogue, out, out_stride, cols);
-    default: return;
-  }
-}
-
-// `rows` (< kRows) rows against panels [begin, end), panels_per_tile(rows) panels at a time.
+// `rows` (< kRows) rows against `count` panels, panels_per_tile(rows) panels at a time; `cols`
+// features of `out` in all.
 template <int64_t rows, typename weight_t>
-void few_rows_against_panels(const float* x, int64_t in_features, const weight_t* weights,
-                             Epilogue epilogue, float* out, int64_t out_features, int64_t begin,
-                             int64_t end) {
+void few_rows_against_panels(const float* x, int64_t in_features, const weight_t* panels,
+                             int64_t count, Epilogue epilogue, float* out, int64_t out_stride,
+                             int64_t cols) {
   constexpr int64_t group = panels_per_tile(rows);
   const int64_t panel_size = in_features * kPanel;
-  for (int64_t p = begin; p < end;) {
+  for (int64_t p = 0; p < count;) {
     const int64_t first = p * kPanel;
     const Epilogue at_panel = epilogue.at_feature(first);
-    const int64_t cols_left = out_features - first;
-    if (p + group <= end) {
-      tile<rows, group>(x, in_features, weights + p * panel_size, at_panel, out + first,
-                        out_features, std::min(group * kPanel, cols_left));
+    if (p + group <= count) {
+      tile<rows, group>(x, in_features, panels + p * panel_size, at_panel, out + first,
+                        out_stride, std::min(group * kPanel, cols - first));
       p += group;
     } else {
-      tile<rows, 1>(x, in_features, weights + p * panel_size, at_panel, out + first, out_features,
-                    std::min(kPanel, cols_left));
+      tile<rows, 1>(x, in_features, panels + p * panel_size, at_panel, out + first, out_stride,
+                    std::min(kPanel, cols - first));
       p += 1;
     }
   }
@@ -188,11 +170,11 @@ void few_rows_against_panels(const float* x, int64_t in_features, const weight_t
 
 template <typename weight_t>
 void few_rows_against_panels(int64_t rows, const float* x, int64_t in_features,
-                             const weight_t* weights, Epilogue epilogue, float* out,
-                             int64_t out_features, int64_t begin, int64_t end) {
+                             const weight_t* panels, int64_t count, Epilogue epilogue, float* out,
+                             int64_t out_stride, int64_t cols) {
   const auto run = [&](auto rows_constant) {
-    few_rows_against_panels<decltype(rows_constant)::value>(x, in_features, weights, epilogue, out,
-                                                            out_features, begin, end);
+    few_rows_against_panels<decltype(rows_constant)::value>(x, in_features, panels, count,
+                                                            epilogue, out, out_stride, cols);
   };
   switch (rows) {
     case 5: return run(std::integral_constant<int64_t, 5>{});
@@ -204,38 +186,51 @@ void few_rows_against_panels(int64_t rows, const float* x, int64_t in_features,
   }
 }
 
-// Panels [begin, end) of the product. Float32 panels, and any panels for up to 2 * kRows rows,
-// are read as stored: whole tiles one panel at a time, the rows left over several panels at a
-// time. Beyond that, a bfloat16 or int8 panel is widened once into float32 for all the tiles
-// instead of by each tile again: measured here, widening pays from 16 rows on, and without it 64
-// rows ran 1.3x slower than from float32 weights.
+// All `num_rows` rows against `count` consecutive panels (`cols` features of `out`): whole tiles
+// of kRows rows one panel at a time, then the rows left over against all the panels at once,
+// while they are still in cache (a second sweep over every panel read the weights twice: 16 rows
+// ran 1.1x slower).
+template <typename weight_t>
+void rows_against_panels(const float* x, int64_t num_rows, int64_t in_features,
+                         const weight_t* panels, int64_t count, Epilogue epilogue, float* out,
+                         int64_t out_stride, int64_t cols) {
+  const int64_t whole_rows = num_rows - num_rows % kRows, panel_size = in_features * kPanel;
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t first = p * kPanel;
+    for (int64_t m = 0; m < whole_rows; m += kRows) {
+      tile<kRows, 1>(x + m * in_features, in_features, panels + p * panel_size,
+                     epilogue.at_feature(first), out + m * out_stride + first, out_stride,
+                     std::min(kPanel, cols - first));
+    }
+  }
+  few_rows_against_panels(num_rows - whole_rows, x + whole_rows * in_features, in_features, panels,
+                          count, epilogue, out + whole_rows * out_stride, out_stride, cols);
+}
+
+// Panels [begin, end) of the product, in groups of as many as the rows left over from whole tiles
+// take at once. Float32 panels, and any panels for up to 2 * kRows rows, are read as stored.
+// Beyond that, bfloat16 or int8 panels are widened once into float32 for all the tiles instead of
+// by each tile again: measured here, widening pays from 16 rows on, and without it 64 rows ran
+// 1.3x slower than from float32 weights.
 template <typename weight_t>
 void product(const float* x, int64_t num_rows, int64_t in_features, const weight_t* weights,
              Epilogue epilogue, float* out, int64_t out_features, int64_t begin, int64_t end) {
   const int64_t panel_size = in_features * kPanel;
-  const auto panel_epilogue = [&](int64_t p) { return epilogue.at_feature(p * kPanel); };
-  const auto cols_of = [&](int64_t p) { return std::min(kPanel, out_features - p * kPanel); };
-  if (!std::is_same_v<weight_t, float> && num_rows > 2 * kRows) {
-    std::vector<float> widened(panel_size);
-    for (int64_t p = begin; p < end; ++p) {
-      at::vec::convert(weights + p * panel_size, widened.data(), panel_size);
-      rows_against_panel(x, num_rows, in_features, widened.data(), panel_epilogue(p),
-                         out + p * kPanel, out_features, cols_of(p));
-    }
-    return;
-  }
-  const int64_t whole_rows = num_rows - num_rows % kRows, rows_left = num_rows - whole_rows;
-  // The rows left over take their panels while the whole tiles have just read them (a second
-  // pass over all panels read the weights twice: 16 rows ran 1.1x slower).
-  const int64_t group = rows_left == 0 ? 1 : panels_per_tile(rows_left);
+  const int64_t group = panels_per_tile(num_rows % kRows);
+  const bool widen_once = !std::is_same_v<weight_t, float> && num_rows > 2 * kRows;
+  std::vector<float> widened(widen_once ? group * panel_size : 0);
   for (int64_t first = begin; first < end; first += group) {
-    const int64_t last = std::min(first + group, end);
-    for (int64_t p = first; p < last; ++p) {
-      rows_against_panel(x, whole_rows, in_features, weights + p * panel_size, panel_epilogue(p),
-                         out + p * kPanel, out_features, cols_of(p));
+    const int64_t count = std::min(group, end - first), feature = first * kPanel;
+    const int64_t cols = std::min(count * kPanel, out_features - feature);
+    const weight_t* panels = weights + first * panel_size;
+    if (widen_once) {
+      at::vec::convert(panels, widened.data(), count * panel_size);
+      rows_against_panels(x, num_rows, in_features, widened.data(), count,
+                          epilogue.at_feature(feature), out + feature, out_features, cols);
+    } else {
+      rows_against_panels(x, num_rows, in_features, panels, count, epilogue.at_feature(feature),
+                          out + feature, out_features, cols);
     }
-    few_rows_against_panels(rows_left, x + whole_rows * in_features, in_features, weights,
-                            epilogue, out + whole_rows * out_features, out_features, first, last);
   }
 }
 
