@@ -254,3 +254,20 @@ def test_rotary_and_cache_rejects_mismatched_inputs():
     with pytest.raises(RuntimeError, match="slot 8 is not in the cache of 8 slots"):
         call(24, 8, 1)
     assert call(32, 7, 2).shape == (1, 2, 8)
+
+
+def test_decode_layer_rejects_a_wrong_weight_list():
+    assert cpu_kernels_available()
+    hidden, residual, cache = torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(2, 4, 1, 8)
+    angles = RotaryEmbedding(8, 10000.0, 8, torch.float32)(torch.tensor([0]))
+
+    def call(weights: list[torch.Tensor | None]) -> torch.Tensor:
+        return torch.ops.pagedserve.decode_layer(
+            hidden, residual, weights, angles.cos, angles.sin, cache, cache.clone(),
+            torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), 1, 1, 1e-6, 0.35, 0,
+        )  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="weights must hold 14 entries, got 3"):
+        call([torch.ones(8)] * 3)
+    with pytest.raises(RuntimeError, match="weights\\[0\\] must be a tensor"):
+        call([None] * 14)

@@ -85,6 +85,14 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [tokens] cache slot (block * block_size + offset) to write
     groups: list[AttentionGroup]
 
+    @property
+    def in_place_decodes(self) -> AttentionGroup | None:
+        """The step's one group when every sequence in it decodes a token read in place by the
+        C++ kernel, else None."""
+        if len(self.groups) == 1 and self.groups[0].in_place:
+            return self.groups[0]
+        return None
+
     @classmethod
     def build(
         cls,

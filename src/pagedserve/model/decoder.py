@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.model.attention import AttentionBatch, PagedAttention
+from pagedserve.model.attention import AttentionBatch, AttentionGroup, PagedAttention
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.layers import (
     Linear,
@@ -25,6 +25,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = PagedAttention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
+        # Set by fuse_decode: the weights of the C++ op that runs a decode-only step's layer in
+        # one call (csrc/decode_layer.cpp), in the order it takes them.
+        self.decode_weights: list[torch.Tensor | None] | None = None
+
+    def fuse_decode(self) -> None:
+        """Runs decode-only steps through one C++ call per layer: for packed weights, on models
+        whose attention takes the fused rotation (no query and key norms)."""
+        self.decode_weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        for linear in (
+            self.self_attn.qkv_proj,
+            self.self_attn.o_proj,
+            self.mlp.gate_up_proj,
+            self.mlp.down_proj,
+        ):
+            packed = linear.packed_weight
+            self.decode_weights += [packed.panels, linear.bias, packed.scale]
 
     def forward(
         self,
@@ -36,6 +52,11 @@ class DecoderLayer(nn.Module):
         """hidden: the previous layer's output, not yet added to residual, the residual stream;
         before the first layer, residual is None and hidden is the stream itself. Returns the same
         pair for the next layer, so that each add is done by the norm that follows it."""
+        decodes = batch.in_place_decodes
+        if self.decode_weights is not None and decodes is not None:
+            if residual is None:
+                residual = torch.zeros_like(hidden)  # 0 + hidden is hidden, bit for bit
+            return self._decode_in_one_call(hidden, residual, angles, batch, decodes), residual
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -43,6 +64,33 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, angles, batch)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _decode_in_one_call(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        angles: RotaryAngles,
+        batch: AttentionBatch,
+        decodes: AttentionGroup,
+    ) -> torch.Tensor:
+        attention = self.self_attn
+        return torch.ops.pagedserve.decode_layer(
+            hidden,
+            residual,
+            self.decode_weights,
+            angles.cos,
+            angles.sin,
+            attention.k_cache,
+            attention.v_cache,
+            batch.slot_mapping,
+            decodes.block_tables,
+            decodes.context_lens,
+            attention.num_heads,
+            attention.num_kv_heads,
+            self.input_layernorm.eps,
+            attention.head_dim**-0.5,
+            attention.sliding_window or 0,
+        )
 
 
 class DecoderModel(nn.Module):
@@ -79,9 +127,10 @@ class DecoderModel(nn.Module):
 
     def use_cpu_kernels(self, weight_dtype: torch.dtype) -> None:
         """Packs every linear map's weight, as weight_dtype, for the C++ product (see
-        PackedWeight) and turns on the other C++ kernels: RMSNorm, SwiGLU, and the rotation
-        with the cache write where no query and key norms come first. Tied embeddings keep their
-        plain copy for the lookup and gain a packed one for the logits."""
+        PackedWeight) and turns on the other C++ kernels: RMSNorm, SwiGLU, and, where no query
+        and key norms come first, the rotation with the cache write and whole layers in one call
+        for decode-only steps. Tied embeddings keep their plain copy for the lookup and gain a
+        packed one for the logits."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_weight(weight_dtype)
@@ -89,6 +138,9 @@ class DecoderModel(nn.Module):
                 module.fused = True
             elif isinstance(module, PagedAttention):
                 module.fused = module.q_norm is None
+        for layer in self.layers:
+            if layer.self_attn.fused:
+                layer.fuse_decode()
         if self.lm_head is None:
             self.packed_embeddings = PackedWeight.pack(self.embed_tokens, weight_dtype)
 

@@ -15,6 +15,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -25,12 +27,6 @@ using Vec = at::vec::Vectorized<float>;
 // Rows per task: enough work to be worth waking a thread for.
 int64_t rows_per_task(int64_t row_length) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_length));
-}
-
-void check_rows(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
-              ": input must be a contiguous 2-D float32 tensor, got ", x.sizes(), " ",
-              x.scalar_type());
 }
 
 void check_weight(const at::Tensor& weight, int64_t size, const char* op) {
@@ -50,9 +46,13 @@ void normalize_row(const float* in, const float* weight, int64_t size, float eps
                        size);
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
   const at::Tensor x = input.contiguous();
-  check_rows(x, "rms_norm");
+  check_float_rows(x, "rms_norm", "input");
   const int64_t rows = x.size(0), size = x.size(1);
   check_weight(weight, size, "rms_norm");
   at::Tensor out = at::empty_like(x);
@@ -72,8 +72,8 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
 // the norm after it in one pass, with no new tensor (at one decode row, the add alone was a
 // dispatch and an allocation, twice per layer).
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  check_rows(x, "add_rms_norm_");
-  check_rows(residual, "add_rms_norm_");
+  check_float_rows(x, "add_rms_norm_", "x");
+  check_float_rows(residual, "add_rms_norm_", "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm_: x ", x.sizes(), " and residual ",
               residual.sizes(), " differ in shape");
   const int64_t rows = x.size(0), size = x.size(1);
@@ -93,7 +93,7 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
 
 // silu(gate) * up for gate_up = [gate | up] along the last dimension.
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "silu_and_mul");
+  check_float_rows(gate_up, "silu_and_mul", "gate_up");
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up must have an even width, got ",
               gate_up.size(1));
@@ -111,7 +111,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
@@ -120,7 +120,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &pagedserve::rms_norm);
+  m.impl("add_rms_norm_", &pagedserve::add_rms_norm_);
+  m.impl("silu_and_mul", &pagedserve::silu_and_mul);
 }

@@ -24,6 +24,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -238,19 +240,6 @@ bool is_weight_type(at::ScalarType type) {
   return type == at::kFloat || type == at::kBFloat16 || type == at::kChar;
 }
 
-// The panels keep the weight's dtype: float32, bfloat16, or int8 (quantized values, whose
-// per-feature scales packed_linear takes apart).
-at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && is_weight_type(weight.scalar_type()),
-              "pack_linear_weight: weight must be a 2-D float32, bfloat16 or int8 tensor, got ",
-              weight.sizes(), " ", weight.scalar_type());
-  const int64_t out_features = weight.size(0), in_features = weight.size(1);
-  const int64_t panels = (out_features + kPanel - 1) / kPanel;
-  at::Tensor padded = at::zeros({panels * kPanel, in_features}, weight.options());
-  padded.narrow(0, 0, out_features).copy_(weight);
-  return padded.view({panels, kPanel, in_features}).transpose(1, 2).contiguous();
-}
-
 // A float32 value per output feature, readable for whole panels: the tensor's own data when the
 // features fill their panels (no copy per call), else a copy padded with zeros, kept in `padded`.
 const float* per_feature(const std::optional<at::Tensor>& values, int64_t features,
@@ -264,6 +253,23 @@ const float* per_feature(const std::optional<at::Tensor>& values, int64_t featur
   padded = at::zeros({panels * kPanel}, at::kFloat);
   padded.narrow(0, 0, features).copy_(*values);
   return padded.data_ptr<float>();
+}
+
+}  // namespace
+
+namespace pagedserve {
+
+// The panels keep the weight's dtype: float32, bfloat16, or int8 (quantized values, whose
+// per-feature scales packed_linear takes apart).
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && is_weight_type(weight.scalar_type()),
+              "pack_linear_weight: weight must be a 2-D float32, bfloat16 or int8 tensor, got ",
+              weight.sizes(), " ", weight.scalar_type());
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  at::Tensor padded = at::zeros({panels * kPanel, in_features}, weight.options());
+  padded.narrow(0, 0, out_features).copy_(weight);
+  return padded.view({panels, kPanel, in_features}).transpose(1, 2).contiguous();
 }
 
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weight,
@@ -304,7 +310,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
   return out;
 }
 
-}  // namespace
+}  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
@@ -314,6 +320,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("pack_linear_weight", &pack_linear_weight);
-  m.impl("packed_linear", &packed_linear);
+  m.impl("pack_linear_weight", &pagedserve::pack_linear_weight);
+  m.impl("packed_linear", &pagedserve::packed_linear);
 }

@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -159,6 +161,10 @@ void attend_sequence(const scalar_t* query, const scalar_t* k_cache, const scala
     out[i] = static_cast<scalar_t>(work.out[i]);
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 // query: [sequences, heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim];
 // block_tables: [sequences, width] int64; context_lens: [sequences] int64, the new token included.
 // A sliding_window above 0 keeps each query's last sliding_window keys.
@@ -213,7 +219,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   return out;
 }
 
-}  // namespace
+}  // namespace pagedserve
 
 TORCH_LIBRARY(pagedserve, m) {
   m.def(
@@ -222,5 +228,5 @@ TORCH_LIBRARY(pagedserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &pagedserve::paged_decode_attention);
 }

@@ -12,6 +12,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 
 namespace {
@@ -34,19 +36,17 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t head_dim
   }
 }
 
-void check_float_matrix(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.is_contiguous(),
-              "rotary_and_cache: ", name, " must be a contiguous 2-D float32 tensor, got ",
-              t.sizes(), " ", t.scalar_type());
-}
+}  // namespace
+
+namespace pagedserve {
 
 at::Tensor rotary_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                             at::Tensor& k_cache, at::Tensor& v_cache,
                             const at::Tensor& slot_mapping, int64_t num_heads,
                             int64_t num_kv_heads) {
-  check_float_matrix(qkv, "qkv");
-  check_float_matrix(cos, "cos");
-  check_float_matrix(sin, "sin");
+  check_float_rows(qkv, "rotary_and_cache", "qkv");
+  check_float_rows(cos, "rotary_and_cache", "cos");
+  check_float_rows(sin, "rotary_and_cache", "sin");
   const int64_t num_tokens = qkv.size(0), head_dim = cos.size(1);
   TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "rotary_and_cache: qkv width ", qkv.size(1), " is not ", num_heads, " query and 2 x ",
@@ -96,7 +96,7 @@ at::Tensor rotary_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const 
   return query;
 }
 
-}  // namespace
+}  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def(
@@ -104,4 +104,4 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("rotary_and_cache", &rotary_and_cache); }
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("rotary_and_cache", &pagedserve::rotary_and_cache); }

@@ -1,0 +1,43 @@
+// The C++ CPU kernels' entry points, shared by the files that define them and by decode_layer.cpp,
+// which chains them without a dispatch per call. Each is also registered as a torch.ops.pagedserve
+// operator by the file that defines it.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+
+namespace pagedserve {
+
+// norm_activation.cpp
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+// packed_linear.cpp
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weight,
+                         int64_t out_features, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& scale);
+
+// rotary_cache.cpp
+at::Tensor rotary_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            at::Tensor& k_cache, at::Tensor& v_cache,
+                            const at::Tensor& slot_mapping, int64_t num_heads,
+                            int64_t num_kv_heads);
+
+// paged_decode.cpp
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale,
+                                  int64_t sliding_window);
+
+// The kernels read rows through raw pointers: each such input must be a dense float32 matrix.
+inline void check_float_rows(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.is_contiguous(), op, ": ", name,
+              " must be a contiguous 2-D float32 tensor, got ", t.sizes(), " ", t.scalar_type());
+}
+
+}  // namespace pagedserve
