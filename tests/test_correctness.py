@@ -88,7 +88,7 @@ def test_cpu_kernels_and_torch_operators_match_transformers(
         assert layer.input_layernorm.fused == layer.mlp.fused == on
         # Qwen3 normalises query and key heads before the rotation: that stays in torch.
         assert layer.self_attn.fused == (on and architecture != "qwen3")
-        assert (layer.decode_weights is not None) == (on and architecture != "qwen3")
+        assert (model.decode_weights is not None) == (on and architecture != "qwen3")
     assert _generate(with_kernels) == references(architecture)
     assert _generate(plain) == references(architecture)
 
@@ -96,21 +96,18 @@ def test_cpu_kernels_and_torch_operators_match_transformers(
 @pytest.mark.parametrize(
     ("architecture", "packed_dtype"), [("llama", "int8"), ("qwen2", "float32")]
 )
-def test_decode_layer_in_one_call_equals_the_layer_op_by_op(
+def test_decode_layers_in_one_call_equal_the_layers_op_by_op(
     architecture, packed_dtype, tiny_checkpoint
 ):
-    """A decode-only step runs each layer as one C++ call (csrc/decode_layer.cpp) chaining the
-    kernels that the layer otherwise calls one by one: the hidden states and the cache writes are
+    """A decode-only step runs every layer in one C++ call (csrc/decode_layers.cpp) chaining the
+    kernels that the layers otherwise call one by one: the hidden states and the cache writes are
     the same bits either way."""
     llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32", packed_weight_dtype=packed_dtype)
     model, block_size = llm.engine.runner.model, llm.engine.runner.block_size
     generator = torch.Generator().manual_seed(0)
-    for layer in model.layers:
-        for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
-            cache.copy_(torch.randn(cache.shape, generator=generator))
-    caches = [
-        (layer.self_attn.k_cache.clone(), layer.self_attn.v_cache.clone()) for layer in model.layers
-    ]
+    for cache in model.k_caches + model.v_caches:
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+    before = [cache.clone() for cache in model.k_caches + model.v_caches]
     batch = AttentionBatch.build(
         query_lens=[1, 1, 1],
         context_lens=[1, 2 * block_size + 3, block_size],
@@ -120,33 +117,22 @@ def test_decode_layer_in_one_call_equals_the_layer_op_by_op(
         device=torch.device("cpu"),
         decode_in_place=True,
     )
-    input_ids = torch.tensor([17, 9000, 300])
     assert batch.in_place_decodes is not None
+    input_ids = torch.tensor([17, 9000, 300])
 
-    def run(fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        for layer, (k_cache, v_cache) in zip(model.layers, caches, strict=True):
-            layer.self_attn.k_cache.copy_(k_cache)
-            layer.self_attn.v_cache.copy_(v_cache)
-        saved = [layer.decode_weights for layer in model.layers]
-        if not fused:
-            for layer in model.layers:
-                layer.decode_weights = None
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for cache, saved in zip(model.k_caches + model.v_caches, before, strict=True):
+            cache.copy_(saved)
         with torch.no_grad():
             hidden = model(input_ids, batch)
-        for layer, weights in zip(model.layers, saved, strict=True):
-            layer.decode_weights = weights
-        written = [
-            t.clone()
-            for layer in model.layers
-            for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)
-        ]
-        return hidden, written
+        return hidden, [cache.clone() for cache in model.k_caches + model.v_caches]
 
-    fused_hidden, fused_caches = run(fused=True)
-    plain_hidden, plain_caches = run(fused=False)
+    fused_hidden, fused_caches = run()
+    model.decode_weights = None
+    plain_hidden, plain_caches = run()
     assert torch.equal(fused_hidden, plain_hidden)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, plain_caches, strict=True))
-    assert not torch.equal(fused_caches[0], caches[0][0])  # the new keys were written
+    assert not torch.equal(fused_caches[0], before[0])  # the new keys were written
 
 
 def _rounded_to_bfloat16(weight: torch.Tensor) -> torch.Tensor:

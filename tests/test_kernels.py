@@ -256,18 +256,20 @@ def test_rotary_and_cache_rejects_mismatched_inputs():
     assert call(32, 7, 2).shape == (1, 2, 8)
 
 
-def test_decode_layer_rejects_a_wrong_weight_list():
+def test_decode_layers_rejects_a_wrong_weight_list():
     assert cpu_kernels_available()
-    hidden, residual, cache = torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(2, 4, 1, 8)
+    hidden, cache = torch.zeros(1, 8), torch.zeros(2, 4, 1, 8)
     angles = RotaryEmbedding(8, 10000.0, 8, torch.float32)(torch.tensor([0]))
 
-    def call(weights: list[torch.Tensor | None]) -> torch.Tensor:
-        return torch.ops.pagedserve.decode_layer(
-            hidden, residual, weights, angles.cos, angles.sin, cache, cache.clone(),
+    def call(weights: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.pagedserve.decode_layers(
+            hidden, weights, [cache, cache], [cache, cache], angles.cos, angles.sin,
             torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), 1, 1, 1e-6, 0.35, 0,
         )  # fmt: skip
 
-    with pytest.raises(RuntimeError, match="weights must hold 14 entries, got 3"):
+    with pytest.raises(
+        RuntimeError, match="2 layers need 2 value caches and 28 weights, got 2 and 3"
+    ):
         call([torch.ones(8)] * 3)
     with pytest.raises(RuntimeError, match="weights\\[0\\] must be a tensor"):
-        call([None] * 14)
+        call([None] * 28)

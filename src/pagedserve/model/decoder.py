@@ -25,14 +25,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = PagedAttention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
-        # Set by fuse_decode: the weights of the C++ op that runs a decode-only step's layer in
-        # one call (csrc/decode_layer.cpp), in the order it takes them.
-        self.decode_weights: list[torch.Tensor | None] | None = None
 
-    def fuse_decode(self) -> None:
-        """Runs decode-only steps through one C++ call per layer: for packed weights, on models
-        whose attention takes the fused rotation (no query and key norms)."""
-        self.decode_weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+    def packed_decode_weights(self) -> list[torch.Tensor | None]:
+        """This layer's weights in the order csrc/decode_layers.cpp takes them: the two norms',
+        then each packed linear map's panels, bias and scale."""
+        weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
         for linear in (
             self.self_attn.qkv_proj,
             self.self_attn.o_proj,
@@ -40,7 +37,8 @@ class DecoderLayer(nn.Module):
             self.mlp.down_proj,
         ):
             packed = linear.packed_weight
-            self.decode_weights += [packed.panels, linear.bias, packed.scale]
+            weights += [packed.panels, linear.bias, packed.scale]
+        return weights
 
     def forward(
         self,
@@ -52,11 +50,6 @@ class DecoderLayer(nn.Module):
         """hidden: the previous layer's output, not yet added to residual, the residual stream;
         before the first layer, residual is None and hidden is the stream itself. Returns the same
         pair for the next layer, so that each add is done by the norm that follows it."""
-        decodes = batch.in_place_decodes
-        if self.decode_weights is not None and decodes is not None:
-            if residual is None:
-                residual = torch.zeros_like(hidden)  # 0 + hidden is hidden, bit for bit
-            return self._decode_in_one_call(hidden, residual, angles, batch, decodes), residual
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -64,33 +57,6 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, angles, batch)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
-
-    def _decode_in_one_call(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor,
-        angles: RotaryAngles,
-        batch: AttentionBatch,
-        decodes: AttentionGroup,
-    ) -> torch.Tensor:
-        attention = self.self_attn
-        return torch.ops.pagedserve.decode_layer(
-            hidden,
-            residual,
-            self.decode_weights,
-            angles.cos,
-            angles.sin,
-            attention.k_cache,
-            attention.v_cache,
-            batch.slot_mapping,
-            decodes.block_tables,
-            decodes.context_lens,
-            attention.num_heads,
-            attention.num_kv_heads,
-            self.input_layernorm.eps,
-            attention.head_dim**-0.5,
-            attention.sliding_window or 0,
-        )
 
 
 class DecoderModel(nn.Module):
@@ -109,14 +75,50 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position_embeddings, dtype
         )
+        # Set by use_cpu_kernels where every layer can take them: the weights of the C++ op that
+        # runs a decode-only step's layers in one call (csrc/decode_layers.cpp).
+        self.decode_weights: list[torch.Tensor | None] | None = None
+        self.k_caches: list[torch.Tensor] = []  # each layer's, once attached
+        self.v_caches: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """input_ids: [tokens], every scheduled token of the step packed together."""
         hidden, residual = F.embedding(input_ids, self.embed_tokens), None
         angles = self.rotary(batch.positions)
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, angles, batch)
+        decodes = batch.in_place_decodes
+        if self.decode_weights is not None and decodes is not None:
+            hidden, residual = self._decode_in_one_call(hidden, angles, batch, decodes)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, angles, batch)
         return self.norm.add_and_norm(hidden, residual)[0]
+
+    def _decode_in_one_call(
+        self,
+        embeddings: torch.Tensor,
+        angles: RotaryAngles,
+        batch: AttentionBatch,
+        decodes: AttentionGroup,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer in one C++ call, which calls the kernels the layers call, in the same
+        order: a decode step at a few rows no longer waits on Python between them."""
+        attention = self.layers[0].self_attn
+        return torch.ops.pagedserve.decode_layers(
+            embeddings,
+            self.decode_weights,
+            self.k_caches,
+            self.v_caches,
+            angles.cos,
+            angles.sin,
+            batch.slot_mapping,
+            decodes.block_tables,
+            decodes.context_lens,
+            attention.num_heads,
+            attention.num_kv_heads,
+            self.config.rms_norm_eps,
+            attention.head_dim**-0.5,
+            attention.sliding_window or 0,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
@@ -138,9 +140,10 @@ class DecoderModel(nn.Module):
                 module.fused = True
             elif isinstance(module, PagedAttention):
                 module.fused = module.q_norm is None
-        for layer in self.layers:
-            if layer.self_attn.fused:
-                layer.fuse_decode()
+        if all(layer.self_attn.fused for layer in self.layers):
+            self.decode_weights = [
+                weight for layer in self.layers for weight in layer.packed_decode_weights()
+            ]
         if self.lm_head is None:
             self.packed_embeddings = PackedWeight.pack(self.embed_tokens, weight_dtype)
 
@@ -163,3 +166,5 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=like.dtype, device=like.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.k_caches = [layer.self_attn.k_cache for layer in self.layers]
+        self.v_caches = [layer.self_attn.v_cache for layer in self.layers]

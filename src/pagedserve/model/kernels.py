@@ -1,6 +1,6 @@
 """The engine's C++ CPU kernels (csrc/: decode attention, packed linear maps, RMSNorm, SwiGLU,
-rotary embedding with the cache write, and a decode step's whole decoder layer), built on first
-use by torch.utils.cpp_extension and cached by it (TORCH_EXTENSIONS_DIR,
+rotary embedding with the cache write, and a decode step's decoder layers in one call), built on
+first use by torch.utils.cpp_extension and cached by it (TORCH_EXTENSIONS_DIR,
 ~/.cache/torch_extensions by default), so only the first start on a machine pays the build
 (about 25 s here)."""
 
@@ -25,7 +25,7 @@ _SOURCES = [
         "packed_linear.cpp",
         "norm_activation.cpp",
         "rotary_cache.cpp",
-        "decode_layer.cpp",
+        "decode_layers.cpp",
     )
 ]
 
@@ -41,7 +41,7 @@ _X86_FLAGS = ["-mfma", "-mf16c"]
 @functools.cache
 def cpu_kernels_available() -> bool:
     """Registers torch.ops.pagedserve.paged_decode_attention, pack_linear_weight, packed_linear,
-    rms_norm, add_rms_norm_, silu_and_mul, rotary_and_cache and decode_layer, building them if
+    rms_norm, add_rms_norm_, silu_and_mul, rotary_and_cache and decode_layers, building them if
     needed. False (with a warning) when they cannot be built here, in which case the model runs
     on torch's own operators."""
     _put_ninja_on_path()

@@ -1,6 +1,6 @@
-// The C++ CPU kernels' entry points, shared by the files that define them and by decode_layer.cpp,
-// which chains them without a dispatch per call. Each is also registered as a torch.ops.pagedserve
-// operator by the file that defines it.
+// The C++ CPU kernels' entry points, shared by the files that define them and by
+// decode_layers.cpp, which chains them without a dispatch per call. Each is also registered as a
+// torch.ops.pagedserve operator by the file that defines it.
 
 #pragma once
 
