@@ -28,6 +28,23 @@ def _reference(query, k_cache, v_cache, tables, context_lens, window):
     return torch.stack(outputs)
 
 
+def _paged_decode_inputs(num_seqs, num_blocks, width, cache_shape, num_heads, dtype):
+    """Random queries, caches ([blocks, *cache_shape]) and shuffled block tables."""
+    generator = torch.Generator().manual_seed(0)
+    tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * width]
+    k_cache = torch.randn(num_blocks, *cache_shape, generator=generator).to(dtype)
+    v_cache = torch.randn(num_blocks, *cache_shape, generator=generator).to(dtype)
+    query = torch.randn(num_seqs, num_heads, cache_shape[-1], generator=generator).to(dtype)
+    return query, k_cache, v_cache, tables.view(num_seqs, width)
+
+
+def _assert_matches_reference(out, query, k_cache, v_cache, tables, context_lens, window):
+    expected = _reference(query, k_cache, v_cache, tables, context_lens, window)
+    tolerance = 1e-5 if query.dtype == torch.float32 else 2e-2
+    assert out.dtype == query.dtype
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "window", "dtype"),
     [
@@ -40,23 +57,37 @@ def _reference(query, k_cache, v_cache, tables, context_lens, window):
 )
 def test_decode_attention_matches_plain_attention(num_heads, num_kv_heads, head_dim, window, dtype):
     assert cpu_kernels_available(), "the C++ kernels must build on this machine"
-    kernel = torch.ops.pagedserve.paged_decode_attention
-    generator = torch.Generator().manual_seed(0)
-    block_size, num_blocks = 4, 64
     context_lens = torch.tensor([1, 4, 5, 17, 30, 2])
-    width = 8  # blocks per table, enough for 30 tokens
-    tables = torch.randperm(num_blocks, generator=generator)[: 6 * width].view(6, width)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=generator).to(dtype)
-    v_cache = torch.randn(shape, generator=generator).to(dtype)
-    query = torch.randn(6, num_heads, head_dim, generator=generator).to(dtype)
+    # 64 blocks of 4 tokens, 8 per table: enough for 30 tokens.
+    inputs = _paged_decode_inputs(6, 64, 8, (4, num_kv_heads, head_dim), num_heads, dtype)
 
-    out = kernel(query, k_cache, v_cache, tables, context_lens, head_dim**-0.5, window)
+    out = torch.ops.pagedserve.paged_decode_attention(*inputs, context_lens, head_dim**-0.5, window)
 
-    expected = _reference(query, k_cache, v_cache, tables, context_lens, window)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+    _assert_matches_reference(out, *inputs, context_lens, window)
+
+
+@pytest.mark.parametrize(
+    ("window", "dtype"), [(0, torch.float32), (700, torch.float32), (0, torch.bfloat16)]
+)
+def test_decode_attention_merges_the_chunks_of_long_contexts(window, dtype):
+    """Contexts beyond 512 tokens are attended in chunks on separate tasks and merged; each
+    sequence's result is the same bits alone as beside others."""
+    assert cpu_kernels_available()
+    kernel = torch.ops.pagedserve.paged_decode_attention
+    context_lens = torch.tensor([1, 512, 513, 1100, 1600])
+    # 500 blocks of 16 tokens, 100 per table.
+    query, k_cache, v_cache, tables = _paged_decode_inputs(5, 500, 100, (16, 3, 64), 9, dtype)
+    scale = 64**-0.5
+
+    out = kernel(query, k_cache, v_cache, tables, context_lens, scale, window)
+
+    _assert_matches_reference(out, query, k_cache, v_cache, tables, context_lens, window)
+    for seq in range(5):
+        rows = slice(seq, seq + 1)
+        alone = kernel(
+            query[rows], k_cache, v_cache, tables[rows], context_lens[rows], scale, window
+        )
+        assert torch.equal(alone, out[rows])
 
 
 def test_decode_attention_rejects_mismatched_inputs():

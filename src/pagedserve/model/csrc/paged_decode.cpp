@@ -2,8 +2,10 @@
 //
 // Each sequence has one query token. Its keys and values are read in place through its block
 // table, so no padded copy of the context is made: with a float32 cache the gather that SDPA needs
-// costs as much memory traffic as the attention itself. One task per sequence reads whole cache
-// rows (every KV head of a token), which lie contiguously inside a block.
+// costs as much memory traffic as the attention itself. Each task reads whole cache rows (every KV
+// head of a token), which lie contiguously inside a block, for a chunk of one sequence's context:
+// a long context is split so that a lone sequence keeps every thread reading, and the partial
+// results are merged by their softmax maxima and sums (as in flash-decoding).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -14,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -30,6 +33,9 @@ constexpr int64_t kHeadsAtOnce = 8;
 constexpr int64_t kCacheLine = 64;  // bytes
 // Rows are prefetched this many tokens ahead (4, 8 and 16 measured alike here; 32 was slower).
 constexpr int64_t kAhead = 8;
+// Tokens per task. The split depends on the context length alone, so a sequence's result does
+// not depend on the rest of the batch or on the number of threads.
+constexpr int64_t kChunkTokens = 512;
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
@@ -93,14 +99,19 @@ void accumulate_heads(const float* weights, int64_t stride, const float* value, 
   }
 }
 
-void softmax_in_place(float* scores, int64_t n) {
+// The softmax of n scores before its division: scores become exp(score - max). Returns the max
+// and the sum of the exponentials, which merge the chunks of one context.
+std::pair<float, float> exponentiate(float* scores, int64_t n) {
   const float max = at::vec::reduce_all<float>(
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, scores, n);
   at::vec::map([max](Vec x) { return (x - Vec(max)).exp_u20(); }, scores, scores, n);
   const float sum =
       at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, scores, n);
-  const float inverse = 1.f / sum;
-  at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, scores, scores, n);
+  return {max, sum};
+}
+
+void scale_in_place(float* x, float factor, int64_t n) {
+  at::vec::map([factor](Vec v) { return v * Vec(factor); }, x, x, n);
 }
 
 template <typename scalar_t>
@@ -120,17 +131,27 @@ void prefetch_row(const scalar_t* cache, const int64_t* table, int64_t position,
   for (int64_t offset = 0; offset < bytes; offset += kCacheLine) __builtin_prefetch(row + offset);
 }
 
-// Buffers of one thread, reused across its sequences.
+// Buffers of one thread, reused across its tasks.
 struct Workspace {
   std::vector<float> query, out, scores, converted;
+  std::vector<float> maxima, sums;  // of each head's scores, for a chunk to be merged
 };
 
+// One sequence's keys from `first` to `end`, a chunk of its context.
+struct Chunk {
+  int64_t seq, first, end;
+  bool whole;  // the chunk is the whole context: normalised and written to the output directly
+};
+
+// Softmax attention over the chunk's keys into work.out, [heads, head_dim]. A whole context is
+// normalised; a part keeps its weights unnormalised, with each head's max and sum in
+// work.maxima and work.sums for the merge.
 template <typename scalar_t>
-void attend_sequence(const scalar_t* query, const scalar_t* k_cache, const scalar_t* v_cache,
-                     const int64_t* table, int64_t context_len, int64_t first, const Shape& shape,
-                     float scale, Workspace& work, scalar_t* out) {
+void attend_chunk(const scalar_t* query, const scalar_t* k_cache, const scalar_t* v_cache,
+                  const int64_t* table, const Chunk& chunk, const Shape& shape, float scale,
+                  Workspace& work) {
   const int64_t group = shape.group(), head_dim = shape.head_dim;
-  const int64_t count = context_len - first;
+  const int64_t first = chunk.first, context_len = chunk.end, count = context_len - first;
   for (int64_t i = 0; i < shape.num_heads * head_dim; ++i)
     work.query[i] = static_cast<float>(query[i]) * scale;
   work.scores.resize(shape.num_heads * count);  // [head][token]
@@ -145,8 +166,16 @@ void attend_sequence(const scalar_t* query, const scalar_t* k_cache, const scala
       }
     }
   }
-  for (int64_t h = 0; h < shape.num_heads; ++h)
-    softmax_in_place(work.scores.data() + h * count, count);
+  for (int64_t h = 0; h < shape.num_heads; ++h) {
+    float* scores = work.scores.data() + h * count;
+    const auto [max, sum] = exponentiate(scores, count);
+    if (chunk.whole) {
+      scale_in_place(scores, 1.f / sum, count);
+    } else {
+      work.maxima[h] = max;
+      work.sums[h] = sum;
+    }
+  }
   std::fill(work.out.begin(), work.out.end(), 0.f);
   for (int64_t position = first; position < context_len; ++position) {
     if (position + kAhead < context_len) prefetch_row(v_cache, table, position + kAhead, shape);
@@ -157,8 +186,45 @@ void attend_sequence(const scalar_t* query, const scalar_t* k_cache, const scala
                        head_dim, group, work.out.data() + kv * group * head_dim);
     }
   }
-  for (int64_t i = 0; i < shape.num_heads * head_dim; ++i)
-    out[i] = static_cast<scalar_t>(work.out[i]);
+}
+
+// Splits each sequence's context (its last sliding_window tokens, if above 0) into chunks of
+// kChunkTokens.
+std::vector<Chunk> split_contexts(const int64_t* lens, int64_t num_seqs, int64_t sliding_window) {
+  std::vector<Chunk> chunks;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t len = lens[seq];
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    const int64_t count = len - first;
+    const int64_t num_chunks = (count + kChunkTokens - 1) / kChunkTokens;
+    const int64_t size = (count + num_chunks - 1) / num_chunks;  // the chunks as even as can be
+    for (int64_t start = first; start < len; start += size)
+      chunks.push_back({seq, start, std::min(len, start + size), num_chunks == 1});
+  }
+  return chunks;
+}
+
+// out = the softmax-weighted sum over all of a context's chunks, from each chunk's unnormalised
+// output [heads, head_dim] and its heads' maxima and sums.
+template <typename scalar_t>
+void merge_chunks(const float* outs, const float* maxima, const float* sums, int64_t num_chunks,
+                  const Shape& shape, scalar_t* out) {
+  const int64_t head_dim = shape.head_dim;
+  std::vector<float> merged(head_dim);
+  for (int64_t h = 0; h < shape.num_heads; ++h) {
+    float max = maxima[h];
+    for (int64_t c = 1; c < num_chunks; ++c) max = std::max(max, maxima[c * shape.num_heads + h]);
+    float total = 0.f;
+    std::fill(merged.begin(), merged.end(), 0.f);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const float weight = std::exp(maxima[c * shape.num_heads + h] - max);
+      total += weight * sums[c * shape.num_heads + h];
+      const float* part = outs + (c * shape.num_heads + h) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * part[d];
+    }
+    for (int64_t d = 0; d < head_dim; ++d)
+      out[h * head_dim + d] = static_cast<scalar_t>(merged[d] / total);
+  }
 }
 
 }  // namespace
@@ -198,6 +264,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                   " is not in the cache");
   }
   at::Tensor out = at::empty_like(query);
+  const std::vector<Chunk> chunks = split_contexts(lens, query.size(0), sliding_window);
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   const auto dtype = query.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_decode", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
@@ -205,16 +273,42 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
     const scalar_t* values = v_cache.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t per_seq = shape.num_heads * shape.head_dim;
-    at::parallel_for(0, query.size(0), 1, [&](int64_t begin, int64_t end) {
+    // Chunks of split contexts: [chunk][head][dim] outputs and [chunk][head] maxima and sums.
+    const bool any_split = std::any_of(chunks.begin(), chunks.end(),
+                                       [](const Chunk& chunk) { return !chunk.whole; });
+    const size_t parts = any_split ? chunks.size() : 0;
+    std::vector<float> part_outs(parts * per_seq), part_maxima(parts * shape.num_heads),
+        part_sums(parts * shape.num_heads);
+    at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
       Workspace work{std::vector<float>(per_seq), std::vector<float>(per_seq), {},
-                     std::vector<float>(shape.head_dim)};
-      for (int64_t seq = begin; seq < end; ++seq) {
-        const int64_t len = lens[seq];
-        const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-        attend_sequence(q + seq * per_seq, keys, values, tables + seq * shape.table_width, len,
-                        first, shape, static_cast<float>(scale), work, o + seq * per_seq);
+                     std::vector<float>(shape.head_dim), std::vector<float>(shape.num_heads),
+                     std::vector<float>(shape.num_heads)};
+      for (int64_t i = begin; i < end; ++i) {
+        const Chunk& chunk = chunks[i];
+        attend_chunk(q + chunk.seq * per_seq, keys, values,
+                     tables + chunk.seq * shape.table_width, chunk, shape,
+                     static_cast<float>(scale), work);
+        if (chunk.whole) {
+          std::transform(work.out.begin(), work.out.end(), o + chunk.seq * per_seq,
+                         [](float x) { return static_cast<scalar_t>(x); });
+        } else {
+          std::copy(work.out.begin(), work.out.end(), part_outs.begin() + i * per_seq);
+          std::copy(work.maxima.begin(), work.maxima.end(),
+                    part_maxima.begin() + i * shape.num_heads);
+          std::copy(work.sums.begin(), work.sums.end(), part_sums.begin() + i * shape.num_heads);
+        }
       }
     });
+    for (int64_t i = 0; i < num_chunks;) {
+      int64_t next = i + 1;
+      while (next < num_chunks && chunks[next].seq == chunks[i].seq) ++next;
+      if (!chunks[i].whole) {
+        merge_chunks(part_outs.data() + i * per_seq, part_maxima.data() + i * shape.num_heads,
+                     part_sums.data() + i * shape.num_heads, next - i, shape,
+                     o + chunks[i].seq * per_seq);
+      }
+      i = next;
+    }
   });
   return out;
 }
