@@ -87,13 +87,13 @@ at::Tensor decode_layer(at::Tensor& hidden, at::Tensor& residual, const WeightLi
   return down(profiled("pagedserve::silu_and_mul", silu_and_mul, gate_up), hidden_size);
 }
 
-// embeddings: [sequences, hidden size], each sequence's new token. weights: each layer's two
-// norm weights, then its qkv_proj, o_proj, gate_up_proj and down_proj as (panels, bias, scale),
-// layer after layer; k_caches and v_caches: each layer's. The other arguments are those of
-// rotary_and_cache and paged_decode_attention. Returns (hidden, residual) after the last layer,
-// for the final norm.
+// embeddings: [sequences, hidden size], each sequence's new token; overwritten, as on the module
+// path, where it becomes the residual stream. weights: each layer's two norm weights, then its
+// qkv_proj, o_proj, gate_up_proj and down_proj as (panels, bias, scale), layer after layer;
+// k_caches and v_caches: each layer's. The other arguments are those of rotary_and_cache and
+// paged_decode_attention. Returns (hidden, residual) after the last layer, for the final norm.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
-    const at::Tensor& embeddings, const WeightList& weights, at::TensorList k_caches,
+    at::Tensor& embeddings, const WeightList& weights, at::TensorList k_caches,
     at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
@@ -120,8 +120,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def(
-      "decode_layers(Tensor embeddings, Tensor?[] weights, Tensor(a!)[] k_caches, "
-      "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
+      "decode_layers(Tensor(a!) embeddings, Tensor?[] weights, Tensor(b!)[] k_caches, "
+      "Tensor(c!)[] v_caches, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
       "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
       "int sliding_window) -> (Tensor, Tensor)");
 }
