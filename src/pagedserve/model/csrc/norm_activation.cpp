@@ -15,10 +15,10 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include "kernels.h"
-
 #include <algorithm>
 #include <cmath>
+
+#include "kernels.h"
 
 namespace {
 

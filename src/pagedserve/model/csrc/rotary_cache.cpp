@@ -12,9 +12,9 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "kernels.h"
-
 #include <algorithm>
+
+#include "kernels.h"
 
 namespace {
 
