@@ -17,6 +17,7 @@ from pagedserve import LLM
 from pagedserve.bench.arrivals import arrival_offsets
 from pagedserve.bench.client import Target
 from pagedserve.bench.datasets import (
+    BenchRequest,
     DatasetSpec,
     build_requests,
     chat_template_overhead,
@@ -296,6 +297,28 @@ def test_offline_runs_credit_each_request_its_own_tokens(checkpoint, tmp_path):
         assert path.read_bytes().startswith(b"\x89PNG")
 
 
+def test_step_counts_bound_what_continuous_batching_gains(checkpoint):
+    """Two seats; A needs 3 tokens, B 9, C 5. Continuous: A is back after step 3, C takes its
+    seat at step 4 and is back after step 8, B after step 9. Static: A and B are handed back
+    together after step 9; C is seated at step 10 and back after step 14."""
+    from functools import partial
+
+    from pagedserve.bench.offline import run_engine, with_fresh_llm
+    from pagedserve.bench.report_sections import step_count_bound
+
+    requests = [BenchRequest(list(range(100, 100 + n)), out) for n, out in ((5, 3), (6, 9), (7, 5))]
+    engine_args = {"model": str(checkpoint), "dtype": "float32", "max_num_seqs": 2}
+    continuous, static = (
+        with_fresh_llm(
+            engine_args, partial(run_engine, requests=requests), scheduler=policy
+        ).summary()
+        for policy in ("continuous", "static")
+    )
+    assert (continuous["steps"]["steps"], continuous["steps"]["release_step_p50"]) == (9, 8)
+    assert (static["steps"]["steps"], static["steps"]["release_step_p50"]) == (14, 9)
+    assert step_count_bound(continuous, static) == (14 / 9, 8 / 9)
+
+
 def test_sweep_runs_one_wave_per_batch_size(checkpoint):
     from pagedserve.bench.sweep import run_sweep
 
@@ -405,6 +428,8 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         assert agreement["variant"] == {"packed_weight_dtype": dtype}
         assert (agreement["requests"], agreement["output_tokens"]) == (2, 8)
         assert f"{dtype}: {agreement['identical']} of 2 identical" in report
+    continuous, static = (run["steps"] for run in raw["w1"])
+    assert f"would give **{static['steps'] / continuous['steps']:.2f}x** static's" in report
     baseline = raw["transformers_baseline"]
     assert [run["batch_size"] for run in baseline] == [2, 1, 2]
     assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.bench.offline import OfflineRun
-from pagedserve.bench.report_sections import Context, fastest, output_ratio
+from pagedserve.bench.report_sections import Context, fastest, output_ratio, step_count_bound
 from pagedserve.bench.speed import STEP_PHASES, StepProfile
 from pagedserve.bench.tables import markdown_table
 
@@ -84,6 +84,7 @@ def _targets(context: Context, figures: SpeedFigures, config) -> list[_Target]:
     http_e2e = http["e2e_ms"]["p50"] / 1000
     policy_ratio = output_ratio(continuous, static)
     e2e_ratio = continuous["e2e_ms"]["p50"] / static["e2e_ms"]["p50"]
+    best_policy_ratio, best_e2e_ratio = step_count_bound(continuous, static)
     ours_alone, transformers_alone, *narrow_alone = figures.single_stream
     decode_rate = _decode_tokens_per_s(ours_alone)
     bandwidth_bound = _bandwidth_bound(context, ours_alone)
@@ -129,14 +130,14 @@ def _targets(context: Context, figures: SpeedFigures, config) -> list[_Target]:
             "3",
             f"W1 at max_num_seqs {batch}: continuous against static output tokens/s",
             ">= 1.7x",
-            f"{policy_ratio:.2f}x",
+            f"{policy_ratio:.2f}x (at most {best_policy_ratio:.2f}x on W1: step counts)",
             policy_ratio >= 1.7,
         ),
         _Target(
             "3",
             f"W1 at max_num_seqs {batch}: continuous E2E p50 against static's",
             "<= 1/3",
-            f"{e2e_ratio:.2f}",
+            f"{e2e_ratio:.2f} (at best {best_e2e_ratio:.2f} on W1: step counts)",
             e2e_ratio <= 1 / 3,
         ),
         _Target(

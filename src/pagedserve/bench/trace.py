@@ -6,6 +6,7 @@ LLM.generate itself, unchanged.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -96,12 +97,21 @@ class StepRecorder:
         )
 
 
+def release_steps(records: list[StepRecord]) -> list[int]:
+    """For each request handed back during the run, how many steps had run by then: its E2E
+    counted in steps instead of seconds."""
+    return [count for count, r in enumerate(records, start=1) for _ in r.released]
+
+
 def step_summary(records: list[StepRecord]) -> dict:
-    """How many steps ran, and what a step cost with and without a prefill ending in it."""
+    """How many steps ran, when the median request was handed back (counted in steps), and what
+    a step cost with and without a prefill ending in it."""
     prefill = [r.seconds for r in records if r.first_tokens > 0]
     decode = [r.seconds for r in records if r.first_tokens == 0 and r.produced]
+    released = release_steps(records)
     return {
         "steps": len(records),
+        "release_step_p50": statistics.median(released) if released else None,
         "prefill_steps": len(prefill),
         "prefill_step_mean_s": sum(prefill) / len(prefill) if prefill else None,
         "decode_steps": len(decode),
