@@ -1,5 +1,5 @@
 """The C++ CPU kernels equal plain torch: decode attention over the same paged cache, linear maps
-from packed weights, RMSNorm, SwiGLU, and the rotation with the cache write."""
+from packed weights, RMSNorm, SwiGLU, the rotation with the cache write, and argmax over rows."""
 
 from __future__ import annotations
 
@@ -242,6 +242,33 @@ def test_norm_and_activation_reject_mismatched_inputs():
         torch.ops.pagedserve.add_rms_norm_(torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(4), 0.1)
     with pytest.raises(RuntimeError, match="even width"):
         torch.ops.pagedserve.silu_and_mul(torch.zeros(2, 7))
+
+
+@pytest.mark.parametrize("size", [49152, 1003, 5])
+def test_row_argmax_matches_torch(size):
+    """The first of equal maxima, NaN above everything, and rows of -inf, as torch.argmax."""
+    assert cpu_kernels_available()
+    values = torch.randn(8, size, generator=torch.Generator().manual_seed(0))
+    values[1, [size // 3, size - 1]] = 100.0  # a tie: the first wins
+    values[2, size - 1] = 100.0  # in the tail beyond whole vectors
+    values[3, [0, size // 2]] = float("nan")
+    values[4] = float("-inf")
+    values[5, size // 2] = float("inf")
+    values[6] = 7.0  # every element ties
+    out = torch.ops.pagedserve.row_argmax(values)
+    assert out.dtype == torch.long
+    assert torch.equal(out, values.argmax(dim=-1))
+    assert out[1] == size // 3 and out[2] == size - 1 and out[3] == 0 and out[6] == 0
+    strided = values[:, : size - 1]
+    assert torch.equal(torch.ops.pagedserve.row_argmax(strided), strided.argmax(dim=-1))
+
+
+def test_row_argmax_rejects_other_inputs():
+    assert cpu_kernels_available()
+    with pytest.raises(RuntimeError, match="contiguous 2-D float32"):
+        torch.ops.pagedserve.row_argmax(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="rows must not be empty"):
+        torch.ops.pagedserve.row_argmax(torch.zeros(2, 0))
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 24)])

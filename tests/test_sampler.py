@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from pagedserve.model import sampler
-from pagedserve.model.sampler import SamplingBatch, sample
+from pagedserve.model.kernels import cpu_kernels_available
+from pagedserve.model.sampler import RandomSampling, SamplingBatch, sample
 
 ROWS = 20000
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -19,14 +20,10 @@ def _batch(**overrides) -> SamplingBatch:
         min_p=torch.zeros(ROWS),
         seeds=torch.arange(ROWS) * 7919 + 13,
         output_index=torch.zeros(ROWS, dtype=torch.long),
-        banned=None,
-        all_greedy=False,
         needs_top_k_or_p=False,
         needs_min_p=False,
-        penalties=None,
-        logprobs=None,
     )
-    return SamplingBatch(**(fields | overrides))
+    return SamplingBatch(random=RandomSampling(**(fields | overrides)))
 
 
 def _frequencies(batch: SamplingBatch) -> torch.Tensor:
@@ -37,6 +34,16 @@ def _frequencies(batch: SamplingBatch) -> torch.Tensor:
 def test_draws_follow_the_softmax():
     expected = LOGITS.softmax(-1)
     assert torch.allclose(_frequencies(_batch()), expected, atol=0.012)
+
+
+def test_the_cpu_argmax_kernel_chooses_the_same_tokens():
+    assert cpu_kernels_available()
+    logits = LOGITS.expand(ROWS, -1).clone()
+    for batch in (_batch(), _batch(top_k=torch.full((ROWS,), 3), needs_top_k_or_p=True)):
+        drawn = sample(logits, batch).tokens
+        assert torch.equal(sample(logits, batch, torch.ops.pagedserve.row_argmax).tokens, drawn)
+    greedy = sample(logits, SamplingBatch(), torch.ops.pagedserve.row_argmax).tokens
+    assert torch.equal(greedy, torch.zeros(ROWS, dtype=torch.long))
 
 
 def test_temperature_sharpens_the_distribution():

@@ -19,8 +19,11 @@ from pagedserve.model.sampler import (
     LogprobsRequest,
     LogprobsTensors,
     PenaltyBatch,
+    RandomSampling,
+    RowArgmax,
     SamplingBatch,
     sample,
+    torch_row_argmax,
 )
 from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.timing import PhaseTimer
@@ -71,6 +74,9 @@ class ModelRunner:
                 config.packed_weight_dtype,
             )
         self.model_config = self.model.config
+        self.row_argmax: RowArgmax = torch_row_argmax
+        if self.packed_weight_dtype is not None:  # float32 logits, with the C++ kernels
+            self.row_argmax = torch.ops.pagedserve.row_argmax
         self.decode_in_place = (
             config.decode_kernel and self.device.type == "cpu" and cpu_kernels_available()
         )
@@ -141,7 +147,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
         batch = self._sampling_batch(seqs)
-        result = sample(logits, batch)
+        result = sample(logits, batch, self.row_argmax)
         tokens = result.tokens.tolist()
         logprobs: list[SampleLogprobs | None] = [None] * len(seqs)
         if result.logprobs is not None:
@@ -153,8 +159,16 @@ class ModelRunner:
         return [Sampled(*item) for item in zip(seqs, tokens, logprobs, strict=True)]
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        params = [seq.params for seq in seqs]
-        device = self.device
+        return SamplingBatch(
+            banned=self._banned_tokens(seqs),
+            random=self._random_sampling(seqs),
+            penalties=self._penalty_batch(seqs),
+            logprobs=self._logprobs_request(seqs),
+        )
+
+    def _banned_tokens(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids) of the stop tokens each sequence short of its min_tokens may not
+        draw; None when no row has any."""
         banned_rows: list[int] = []
         banned_tokens: list[int] = []
         for row, seq in enumerate(seqs):
@@ -162,25 +176,28 @@ class ModelRunner:
                 stops = (*self.eos_token_ids, *seq.params.stop_token_ids)
                 banned_rows.extend([row] * len(stops))
                 banned_tokens.extend(stops)
-        banned = None
-        if banned_rows:
-            banned = (
-                torch.tensor(banned_rows, device=device),
-                torch.tensor(banned_tokens, device=device),
-            )
-        return SamplingBatch(
+        if not banned_rows:
+            return None
+        return (
+            torch.tensor(banned_rows, device=self.device),
+            torch.tensor(banned_tokens, device=self.device),
+        )
+
+    def _random_sampling(self, seqs: list[Sequence]) -> RandomSampling | None:
+        """None when every row is greedy: argmax needs none of these settings."""
+        params = [seq.params for seq in seqs]
+        if all(p.greedy for p in params):
+            return None
+        device = self.device
+        return RandomSampling(
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_k=torch.tensor([max(p.top_k, 0) for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
             min_p=torch.tensor([p.min_p for p in params], device=device),
             seeds=torch.tensor([seq.seed for seq in seqs], device=device),
             output_index=torch.tensor([seq.num_output_tokens for seq in seqs], device=device),
-            banned=banned,
-            all_greedy=all(p.greedy for p in params),
             needs_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             needs_min_p=any(p.min_p > 0.0 for p in params),
-            penalties=self._penalty_batch(seqs),
-            logprobs=self._logprobs_request(seqs),
         )
 
     def _penalty_batch(self, seqs: list[Sequence]) -> PenaltyBatch | None:

@@ -1,8 +1,8 @@
 """The engine's C++ CPU kernels (csrc/: decode attention, packed linear maps, RMSNorm, SwiGLU,
-rotary embedding with the cache write, and a decode step's decoder layers in one call), built on
-first use by torch.utils.cpp_extension and cached by it (TORCH_EXTENSIONS_DIR,
-~/.cache/torch_extensions by default), so only the first start on a machine pays the build
-(about 25 s here)."""
+rotary embedding with the cache write, a decode step's decoder layers in one call, and argmax
+over rows), built on first use by torch.utils.cpp_extension and cached by it
+(TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default), so only the first start on a
+machine pays the build (about 25 s here)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ _SOURCES = [
         "norm_activation.cpp",
         "rotary_cache.cpp",
         "decode_layers.cpp",
+        "row_argmax.cpp",
     )
 ]
 
@@ -41,9 +42,9 @@ _X86_FLAGS = ["-mfma", "-mf16c"]
 @functools.cache
 def cpu_kernels_available() -> bool:
     """Registers torch.ops.pagedserve.paged_decode_attention, pack_linear_weight, packed_linear,
-    rms_norm, add_rms_norm_, silu_and_mul, rotary_and_cache and decode_layers, building them if
-    needed. False (with a warning) when they cannot be built here, in which case the model runs
-    on torch's own operators."""
+    rms_norm, add_rms_norm_, silu_and_mul, rotary_and_cache, decode_layers and row_argmax,
+    building them if needed. False (with a warning) when they cannot be built here, in which
+    case the model runs on torch's own operators."""
     _put_ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()
     vector_flags = [*_VECTOR_FLAGS[capability], *_X86_FLAGS] if capability in _VECTOR_FLAGS else []

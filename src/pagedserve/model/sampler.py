@@ -12,6 +12,7 @@ and no per-request generator has to be stepped in a Python loop.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,8 @@ class LogprobsTensors:
 
 
 @dataclass
-class SamplingBatch:
-    """One row per sequence that samples this step."""
+class RandomSampling:
+    """Draw settings of every row; only built when some row samples at random (temperature > 0)."""
 
     temperature: torch.Tensor  # [rows] float; 0 means greedy
     top_k: torch.Tensor  # [rows] long; 0 means no limit
@@ -62,10 +63,17 @@ class SamplingBatch:
     min_p: torch.Tensor  # [rows] float in [0, 1]
     seeds: torch.Tensor  # [rows] long, 64-bit seeds
     output_index: torch.Tensor  # [rows] long: how many tokens the sequence has generated so far
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) that may not be drawn
-    all_greedy: bool
     needs_top_k_or_p: bool
     needs_min_p: bool
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sequence that samples this step. Each optional part is None when no row
+    needs it, so a greedy batch builds no tensor for them."""
+
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) never drawn
+    random: RandomSampling | None = None  # None: every row is greedy
     penalties: PenaltyBatch | None = None
     logprobs: LogprobsRequest | None = None
 
@@ -76,14 +84,24 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+def torch_row_argmax(values: torch.Tensor) -> torch.Tensor:
+    return values.argmax(dim=-1)
+
+
+RowArgmax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, row_argmax: RowArgmax = torch_row_argmax
+) -> SamplerOutput:
     """logits: [rows, vocab] float32. Returns the chosen token id of each row, and logprobs of
-    the rows that asked for them."""
+    the rows that asked for them. row_argmax: each row's first largest index, as torch.argmax
+    gives it (the C++ kernel's is 10x faster on the CPU)."""
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
-    tokens = _choose(logits, batch)
+    tokens = _choose(logits, batch, row_argmax)
     logprobs = None
     if batch.logprobs is not None:
         logprobs = compute_logprobs(logits, tokens, batch.logprobs)
@@ -124,21 +142,22 @@ def compute_logprobs(
     return LogprobsTensors(chosen, rank, top_ids, top_logprobs)
 
 
-def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    greedy_tokens = logits.argmax(dim=-1)
-    if batch.all_greedy:
+def _choose(logits: torch.Tensor, batch: SamplingBatch, row_argmax: RowArgmax) -> torch.Tensor:
+    greedy_tokens = row_argmax(logits)
+    draw = batch.random
+    if draw is None:
         return greedy_tokens
-    is_greedy = batch.temperature == 0
-    temperature = torch.where(is_greedy, 1.0, batch.temperature)
+    is_greedy = draw.temperature == 0
+    temperature = torch.where(is_greedy, 1.0, draw.temperature)
     scaled = logits / temperature[:, None]
-    if batch.needs_top_k_or_p:
-        scaled = _apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
-    if batch.needs_min_p:
-        scaled = _apply_min_p(scaled, batch.min_p)
+    if draw.needs_top_k_or_p:
+        scaled = _apply_top_k_top_p(scaled, draw.top_k, draw.top_p)
+    if draw.needs_min_p:
+        scaled = _apply_min_p(scaled, draw.min_p)
     # Gumbel-max: argmax(logit + Gumbel noise) draws from softmax(logit) exactly.
-    uniform = _hashed_uniform(batch.seeds, batch.output_index, logits.shape[-1])
+    uniform = _hashed_uniform(draw.seeds, draw.output_index, logits.shape[-1])
     gumbel = -torch.log(-torch.log(uniform))
-    sampled_tokens = (scaled + gumbel).argmax(dim=-1)
+    sampled_tokens = row_argmax(scaled + gumbel)
     return torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
 

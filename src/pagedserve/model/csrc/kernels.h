@@ -34,6 +34,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                                   const at::Tensor& context_lens, double scale,
                                   int64_t sliding_window);
 
+// row_argmax.cpp
+at::Tensor row_argmax(const at::Tensor& values);
+
 // The kernels read rows through raw pointers: each such input must be a dense float32 matrix.
 inline void check_float_rows(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.is_contiguous(), op, ": ", name,
