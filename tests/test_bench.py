@@ -430,6 +430,17 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         assert f"{dtype}: {agreement['identical']} of 2 identical" in report
     continuous, static = (run["steps"] for run in raw["w1"])
     assert f"would give **{static['steps'] / continuous['steps']:.2f}x** static's" in report
+    # Two rounds of each policy, taking turns; the tables hold each policy's faster run.
+    assert list(raw["stage_seconds"])[1:5] == [
+        "W1 continuous 1",
+        "W1 static 1",
+        "W1 continuous 2",
+        "W1 static 2",
+    ]
+    assert "Each policy ran W1 2 times" in report
+    durations = report.split("Durations in the order run: ")[1].split("\n")[0]
+    for run in raw["w1"]:
+        assert f"{run['duration_s']:.1f}" in durations
     baseline = raw["transformers_baseline"]
     assert [run["batch_size"] for run in baseline] == [2, 1, 2]
     assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report

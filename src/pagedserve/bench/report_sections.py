@@ -195,7 +195,8 @@ def _offline_rows(context: Context, runs: list[OfflineRun]) -> str:
     return markdown_table(header, rows)
 
 
-def w1_policies(context: Context, runs: list[OfflineRun]) -> str:
+def w1_policies(context: Context, runs: list[OfflineRun], durations: dict[str, list[float]]) -> str:
+    """runs: each policy's fastest run; durations: every run's, by policy, in the order run."""
     batch = runs[0].batch_size
     ours, static = (run.summary() for run in runs)
     command = f"pagedserve bench throughput --dataset w1 --max-num-seqs {batch}"
@@ -212,6 +213,7 @@ def w1_policies(context: Context, runs: list[OfflineRun]) -> str:
         "forms, nobody joins it until all its members are done, and their results are handed "
         "back together.",
         _code(f"{command} --scheduler continuous", f"{command} --scheduler static"),
+        _rounds_note(durations),
         _offline_rows(context, runs),
         f"Continuous batching gives **{_ratio(ours, static)}** the output tokens/s of static "
         f"batching. E2E p50: {_e2e(ours, 'p50')} against {_e2e(static, 'p50')}; p99: "
@@ -222,6 +224,21 @@ def w1_policies(context: Context, runs: list[OfflineRun]) -> str:
         "decodes); a decode step computes one token per seated request.",
         _steps_table([ours, static]),
         _step_count_note(ours, static, batch),
+    )
+
+
+def _rounds_note(durations: dict[str, list[float]]) -> str:
+    rounds = len(next(iter(durations.values())))
+    if rounds == 1:
+        return ""
+    took = "; ".join(
+        f"{policy} {', '.join(f'{seconds:.1f}' for seconds in times)} s"
+        for policy, times in durations.items()
+    )
+    return (
+        f"Each policy ran W1 {rounds} times, the policies taking turns, and the tables show "
+        f"each one's fastest run, so that a busy spell on the shared machine does not decide "
+        f"the comparison. Durations in the order run: {took}."
     )
 
 
@@ -305,7 +322,7 @@ def transformers_baseline(context: Context, runs: list[OfflineRun]) -> str:
 
 
 def _join(*parts: str) -> str:
-    return "\n\n".join(part.strip("\n") for part in parts) + "\n"
+    return "\n\n".join(part.strip("\n") for part in parts if part) + "\n"
 
 
 def fastest(summaries: list[dict]) -> dict:
