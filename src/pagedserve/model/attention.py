@@ -25,6 +25,13 @@ from pagedserve.model.layers import Linear, RMSNorm, RotaryAngles
 _CONTEXT_BUCKETS = 64
 
 
+def _padded_tables(block_tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[sequences, longest table] int64, shorter tables padded with block 0."""
+    width = max(len(table) for table in block_tables)
+    padded = [table + [0] * (width - len(table)) for table in block_tables]
+    return torch.tensor(padded, dtype=torch.long, device=device)
+
+
 @dataclass
 class AttentionGroup:
     """Sequences attended together in one padded call."""
@@ -118,9 +125,7 @@ class AttentionBatch:
         offset_in_query = torch.arange(num_tokens, device=device) - query_starts[seq_of_token]
         positions = first_positions[seq_of_token] + offset_in_query
 
-        max_blocks = max(len(table) for table in block_tables)
-        padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
-        tables = torch.tensor(padded, dtype=torch.long, device=device)
+        tables = _padded_tables(block_tables, device)
         slot_mapping = (
             tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         )
@@ -177,9 +182,7 @@ class AttentionBatch:
         (without them a lone decode's input preparation went from 0.44-0.50 to 0.24-0.36 ms)."""
         contexts = torch.tensor(context_lens, device=device)
         positions = contexts - 1
-        max_blocks = max(len(table) for table in block_tables)
-        padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
-        tables = torch.tensor(padded, dtype=torch.long, device=device)
+        tables = _padded_tables(block_tables, device)
         blocks = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
         slot_mapping = blocks * block_size + positions % block_size
         group = AttentionGroup.in_place_decodes(contexts, tables, None)
