@@ -119,7 +119,7 @@ template <int64_t rows, int64_t panels, typename weight_t>
     for (int64_t m = 0; m < rows; ++m) sums[m][j] = start;
   }
   for (int64_t k = 0; k < in_features; ++k) {
-    // The sums take 2 * rows * panels of the 16 vector registers; what a step of k keeps beside
+    // The sums take 2 * rows * panels of AVX2's 16 vector registers; what a step of k keeps beside
     // them must fit in the rest, or a sum is kept on the stack.
     if constexpr (panels == 1) {
       // Both weight vectors stay in registers while each row's value is loaded in turn.
