@@ -122,7 +122,8 @@ template <int64_t rows, int64_t panels, typename weight_t>
     // The sums take 2 * rows * panels of AVX2's 16 vector registers; what a step of k keeps beside
     // them must fit in the rest, or a sum is kept on the stack.
     if constexpr (panels == 1) {
-      // Both weight vectors stay in registers while each row's value is loaded in turn.
+      // Both weight vectors stay in registers while each row's value is loaded in turn: the
+      // other order would keep up to 6 row values beside 12 sums, and 6 rows spilled.
       const Vec w_low = widen(panel + k * kPanel), w_high = widen(panel + k * kPanel + Vec::size());
 #pragma GCC unroll 6
       for (int64_t m = 0; m < rows; ++m) {
