@@ -3,6 +3,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 TORCH_SPEC ?= torch==2.13.0
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+BENCH_PEERS := $(VENV)/.bench-peers-done
 # One torch thread by default: on the shared 2-core development machine, two threads wait on each
 # other whenever another process holds a core (see BENCHMARKS.md). `make bench BENCH_THREADS=2`.
 BENCH_THREADS ?= 1
@@ -27,8 +29,15 @@ serve: setup
 	$(BIN)/pagedserve serve $(ARGS)
 
 # Runs every benchmark and rewrites BENCHMARKS.md and docs/bench/ (20-35 minutes on 2 cores).
-bench: setup
+bench: setup $(BENCH_PEERS)
 	$(BIN)/pagedserve bench report --threads $(BENCH_THREADS)
+
+# llama.cpp, the peer measured beside our single stream: pip builds it from source once, for the
+# instructions of this machine and without its multimodal part (about 7 minutes on 2 cores).
+# Only the benchmarks use it.
+$(BENCH_PEERS): $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" $(BIN)/pip install --quiet "$(LLAMA_CPP_SPEC)"
+	touch $(BENCH_PEERS)
 
 lint: setup
 	$(BIN)/ruff check src tests

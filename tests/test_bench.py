@@ -378,6 +378,25 @@ def test_server_reports_its_peak_memory(server):
     assert server.peak_rss_bytes() > 50 * 2**20
 
 
+def test_gguf_weight_bytes_count_every_tensor_at_its_quantized_size():
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+
+    from pagedserve.bench.llama_cpp_peer import gguf_weight_bytes
+    from pagedserve.model.source import default_gguf_path
+
+    path = default_gguf_path()
+    tensors = GGUFReader(path).tensors
+    expected = 0
+    for tensor in tensors:
+        block_size, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+        expected += int(tensor.n_elements) // block_size * block_bytes
+    assert gguf_weight_bytes(path) == expected
+    # Every tensor of SmolLM2-135M (30 layers of 9 plus the embedding and final norm), mostly
+    # 4-bit: about 0.6 bytes per weight, the whole file but its header.
+    assert len(tensors) == 272
+    assert 0.9 * path.stat().st_size < expected < path.stat().st_size
+
+
 def test_report_writes_every_section(checkpoint, tmp_path):
     from pagedserve.bench.report import ReportConfig, write_report
     from pagedserve.bench.report_sections import fastest
@@ -423,6 +442,9 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     narrow_runs = ["ours, bfloat16 packed weights", "ours, int8 packed weights"]
     assert [run["name"] for run in alone] == ["ours", "transformers", *narrow_runs]
     assert [run["output_tokens"] for run in alone] == [8, 8, 8, 8]
+    # The checkpoint is no GGUF file, so llama.cpp has nothing to run.
+    assert raw["speed"]["llama_cpp_single_stream"] is None
+    assert "llama.cpp was not measured in this run" in report
     agreements = raw["speed"]["narrow_weights_agreement"]
     for agreement, dtype in zip(agreements, ("bfloat16", "int8"), strict=True):
         assert agreement["variant"] == {"packed_weight_dtype": dtype}

@@ -28,6 +28,7 @@ from pagedserve.bench.datasets import (
     w1_requests,
 )
 from pagedserve.bench.launch import LocalServer
+from pagedserve.bench.llama_cpp_peer import gguf_weight_bytes, llama_cpp_installed, run_llama_cpp
 from pagedserve.bench.metrics import Slo
 from pagedserve.bench.offline import EngineSetup, OfflineRun, run_engine, with_fresh_llm
 from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
@@ -43,6 +44,7 @@ from pagedserve.bench.sweep import DEFAULT_BATCH_SIZES, fixed_requests, run_swee
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.bench.timeline import Segment, run_seed_scenario
 from pagedserve.engine.model_runner import resolve_device
+from pagedserve.model.source import default_gguf_path
 
 logger = logging.getLogger(__name__)
 POLICIES = ("continuous", "static")
@@ -166,6 +168,7 @@ def _measure_and_render(
         ),
         http=stages.run("W1 over HTTP", partial(_w1_http_run, config, requests)),
         single_stream=stages.run("single stream", partial(_single_stream_run, config)),
+        llama_cpp=stages.run("llama.cpp single stream", partial(_llama_cpp_run, config)),
         narrow_weights_agreement=stages.run(
             "narrow weights agreement", partial(_narrow_weights_agreement, config)
         ),
@@ -239,6 +242,23 @@ def _single_stream_run(config: ReportConfig) -> list[dict]:
         for dtype in NARROW_WEIGHT_DTYPES
     ]
     return [ours | {"name": "ours"}, transformers, *narrow]
+
+
+def _llama_cpp_run(config: ReportConfig) -> dict | None:
+    """The single-stream request through llama.cpp on the model's GGUF file; None when
+    llama-cpp-python is not installed or the model is no GGUF file."""
+    if config.model is None:
+        gguf_path = default_gguf_path()
+    elif config.model.endswith(".gguf"):
+        gguf_path = Path(config.model)
+    else:
+        return None
+    if not llama_cpp_installed():
+        return None
+    request = fixed_requests(1, *config.single_stream)[0]
+    threads = torch.get_num_threads()
+    run = run_llama_cpp(request, gguf_path, threads)
+    return run.summary() | {"gguf": gguf_path.name, "step_bytes": gguf_weight_bytes(gguf_path)}
 
 
 def _narrow_weights_agreement(config: ReportConfig) -> list[dict]:

@@ -18,6 +18,9 @@ class SpeedFigures:
     # One request alone: ours, transformers, then ours with each narrower dtype of packed weights
     # (run summaries; those carry their packed_weight_dtype).
     single_stream: list[dict]
+    # The same request through llama.cpp on the model's GGUF file (run summary with its
+    # step_bytes); None when llama-cpp-python is not installed or the model is no GGUF file.
+    llama_cpp: dict | None
     # Greedy outputs from float32 against each narrower dtype of packed weights (greedy_agreement).
     narrow_weights_agreement: list[dict]
     profiles: list[StepProfile]
@@ -30,6 +33,7 @@ class SpeedFigures:
             "w1_all_seated": self.all_seated.summary(),
             "w1_http": self.http,
             "single_stream": self.single_stream,
+            "llama_cpp_single_stream": self.llama_cpp,
             "narrow_weights_agreement": self.narrow_weights_agreement,
             "step_profiles": [profile.as_dict() for profile in self.profiles],
             "long_prompts": self.long_prompts,
@@ -95,6 +99,11 @@ def _targets(context: Context, figures: SpeedFigures, config) -> list[_Target]:
         for run in narrow_alone
     )
     best_rate = max(_decode_tokens_per_s(run) for run in [ours_alone, *narrow_alone])
+    llama_cpp = (
+        "not installed"
+        if figures.llama_cpp is None
+        else f"{_decode_tokens_per_s(figures.llama_cpp):.1f}"
+    )
     by_batch = {profile.batch: profile for profile in figures.profiles}
     largest = by_batch[max(by_batch)]
     rss, rss_limit = http["server_peak_rss_bytes"], _rss_limit(context)
@@ -147,7 +156,7 @@ def _targets(context: Context, figures: SpeedFigures, config) -> list[_Target]:
             f"{decode_rate:.1f} ({100 * decode_rate / bandwidth_bound:.0f}% of the "
             f"{bandwidth_bound:.1f} tokens/s bandwidth bound); whole request "
             f"{output_ratio(ours_alone, transformers_alone):.2f}x transformers' `generate`; "
-            f"with packed weights of {narrow_rates}",
+            f"with packed weights of {narrow_rates}; llama.cpp on the GGUF file {llama_cpp}",
             best_rate >= 130,
         ),
         _Target(
@@ -186,7 +195,9 @@ _PACKED_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 def _bandwidth_bound(context: Context, run: dict) -> float:
     """Decode tokens/s of one stream reading each weight once per token, with the linear maps'
-    weights as the run packed them."""
+    weights as the run packed them, or the bytes the run names (a peer's own weight file)."""
+    if "step_bytes" in run:
+        return 1e9 * context.ceilings.bandwidth_gbs / run["step_bytes"]
     dtype = run.get("packed_weight_dtype")
     size = None if dtype is None else _PACKED_ELEMENT_SIZE[dtype]
     return context.setup.cost.bandwidth_bound_tokens_per_s(context.ceilings, size)
@@ -265,6 +276,7 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
     ours, transformers, *narrow = figures.single_stream
     prompt_len, output_len = config.single_stream
     rate, bound = _decode_tokens_per_s(ours), _bandwidth_bound(context, ours)
+    peers = [] if figures.llama_cpp is None else [figures.llama_cpp]
     header = [
         "one request alone",
         "output tokens/s, whole request",
@@ -282,7 +294,7 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             if run["tpot_ms"]
             else "",
         ]
-        for run in (ours, transformers, *narrow)
+        for run in (ours, transformers, *narrow, *peers)
     ]
     agreements = "; ".join(
         f"{agreement['variant']['packed_weight_dtype']}: {agreement['identical']} of "
@@ -305,6 +317,7 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             "weights and halves the bytes per step, int8 quantizes each output feature with its "
             "own scale and quarters them. Each run's bandwidth bound counts the bytes it reads:",
             markdown_table(header, rows),
+            _llama_cpp_note(figures.llama_cpp),
             "What narrower weights cost in accuracy: greedy outputs of W1's first "
             f"{first['requests']} requests (at most {config.agreement_output_len} tokens each, "
             f"{first['output_tokens']} in all) from float32 against each, with the number of "
@@ -313,6 +326,21 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             "rounds each weight to a step of 1/127 of its row's largest magnitude; the default "
             "model's weights come from a 4-bit GGUF, dequantized to float32.)",
         ]
+    )
+
+
+def _llama_cpp_note(run: dict | None) -> str:
+    if run is None:
+        return (
+            "llama.cpp was not measured in this run: llama-cpp-python is not installed (`make "
+            "bench` installs it), or the model is no GGUF file."
+        )
+    return (
+        f"llama.cpp ran the GGUF file itself ({run['gguf']}) through llama-cpp-python, in this "
+        "process with as many threads as ours, greedy, timed as ours is: its bound counts the "
+        f"file's {run['step_bytes'] / 2**20:.0f} MiB of tensors read per step. Its 4-bit "
+        "weights are 4 to 8 times smaller than ours, and its products multiply them with "
+        "activations rounded to 8 bits."
     )
 
 
