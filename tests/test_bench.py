@@ -443,7 +443,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert [run["name"] for run in alone] == ["ours", "transformers", *narrow_runs]
     assert [run["output_tokens"] for run in alone] == [8, 8, 8, 8]
     # The checkpoint is no GGUF file, so llama.cpp has nothing to run.
-    assert raw["speed"]["llama_cpp_single_stream"] is None
+    assert raw["speed"]["llama_cpp"] is None
     assert "llama.cpp was not measured in this run" in report
     agreements = raw["speed"]["narrow_weights_agreement"]
     for agreement, dtype in zip(agreements, ("bfloat16", "int8"), strict=True):

@@ -28,7 +28,12 @@ from pagedserve.bench.datasets import (
     w1_requests,
 )
 from pagedserve.bench.launch import LocalServer
-from pagedserve.bench.llama_cpp_peer import gguf_weight_bytes, llama_cpp_installed, run_llama_cpp
+from pagedserve.bench.llama_cpp_peer import (
+    gguf_weight_bytes,
+    llama_cpp_installed,
+    run_llama_cpp,
+    run_llama_cpp_batched,
+)
 from pagedserve.bench.metrics import Slo
 from pagedserve.bench.offline import EngineSetup, OfflineRun, run_engine, with_fresh_llm
 from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
@@ -168,7 +173,7 @@ def _measure_and_render(
         ),
         http=stages.run("W1 over HTTP", partial(_w1_http_run, config, requests)),
         single_stream=stages.run("single stream", partial(_single_stream_run, config)),
-        llama_cpp=stages.run("llama.cpp single stream", partial(_llama_cpp_run, config)),
+        llama_cpp=stages.run("llama.cpp", partial(_llama_cpp_runs, config, requests)),
         narrow_weights_agreement=stages.run(
             "narrow weights agreement", partial(_narrow_weights_agreement, config)
         ),
@@ -244,9 +249,10 @@ def _single_stream_run(config: ReportConfig) -> list[dict]:
     return [ours | {"name": "ours"}, transformers, *narrow]
 
 
-def _llama_cpp_run(config: ReportConfig) -> dict | None:
-    """The single-stream request through llama.cpp on the model's GGUF file; None when
-    llama-cpp-python is not installed or the model is no GGUF file."""
+def _llama_cpp_runs(config: ReportConfig, requests: list[BenchRequest]) -> dict | None:
+    """The single-stream request, then all of W1 at once, through llama.cpp on the model's GGUF
+    file with as many threads as ours; None when llama-cpp-python is not installed or the model
+    is no GGUF file."""
     if config.model is None:
         gguf_path = default_gguf_path()
     elif config.model.endswith(".gguf"):
@@ -255,10 +261,15 @@ def _llama_cpp_run(config: ReportConfig) -> dict | None:
         return None
     if not llama_cpp_installed():
         return None
-    request = fixed_requests(1, *config.single_stream)[0]
     threads = torch.get_num_threads()
-    run = run_llama_cpp(request, gguf_path, threads)
-    return run.summary() | {"gguf": gguf_path.name, "step_bytes": gguf_weight_bytes(gguf_path)}
+    alone = run_llama_cpp(fixed_requests(1, *config.single_stream)[0], gguf_path, threads)
+    batched = run_llama_cpp_batched(requests, gguf_path, threads)
+    return {
+        "gguf": gguf_path.name,
+        "step_bytes": gguf_weight_bytes(gguf_path),
+        "single_stream": alone.summary(),
+        "w1_all_seated": batched.summary(),
+    }
 
 
 def _narrow_weights_agreement(config: ReportConfig) -> list[dict]:

@@ -18,8 +18,9 @@ class SpeedFigures:
     # One request alone: ours, transformers, then ours with each narrower dtype of packed weights
     # (run summaries; those carry their packed_weight_dtype).
     single_stream: list[dict]
-    # The same request through llama.cpp on the model's GGUF file (run summary with its
-    # step_bytes); None when llama-cpp-python is not installed or the model is no GGUF file.
+    # llama.cpp on the model's GGUF file: its gguf name and step_bytes, and the run summaries of
+    # single_stream and w1_all_seated; None when llama-cpp-python is not installed or the model
+    # is no GGUF file.
     llama_cpp: dict | None
     # Greedy outputs from float32 against each narrower dtype of packed weights (greedy_agreement).
     narrow_weights_agreement: list[dict]
@@ -33,7 +34,7 @@ class SpeedFigures:
             "w1_all_seated": self.all_seated.summary(),
             "w1_http": self.http,
             "single_stream": self.single_stream,
-            "llama_cpp_single_stream": self.llama_cpp,
+            "llama_cpp": self.llama_cpp,
             "narrow_weights_agreement": self.narrow_weights_agreement,
             "step_profiles": [profile.as_dict() for profile in self.profiles],
             "long_prompts": self.long_prompts,
@@ -99,11 +100,10 @@ def _targets(context: Context, figures: SpeedFigures, config) -> list[_Target]:
         for run in narrow_alone
     )
     best_rate = max(_decode_tokens_per_s(run) for run in [ours_alone, *narrow_alone])
-    llama_cpp = (
-        "not installed"
-        if figures.llama_cpp is None
-        else f"{_decode_tokens_per_s(figures.llama_cpp):.1f}"
-    )
+    llama_cpp, llama_cpp_w1 = "not measured", "not measured"
+    if figures.llama_cpp is not None:
+        llama_cpp = f"{_decode_tokens_per_s(figures.llama_cpp['single_stream']):.1f}"
+        llama_cpp_w1 = f"{figures.llama_cpp['w1_all_seated']['output_throughput']:.1f}"
     by_batch = {profile.batch: profile for profile in figures.profiles}
     largest = by_batch[max(by_batch)]
     rss, rss_limit = http["server_peak_rss_bytes"], _rss_limit(context)
@@ -123,7 +123,8 @@ def _targets(context: Context, figures: SpeedFigures, config) -> list[_Target]:
             f"W1 offline, all {figures.all_seated.batch_size} seated: tokens/s against the "
             "ideal rate",
             ">= 40%",
-            f"{100 * of_ideal:.0f}% ({seated['output_throughput']:.1f} output tokens/s)",
+            f"{100 * of_ideal:.0f}% ({seated['output_throughput']:.1f} output tokens/s; "
+            f"llama.cpp {llama_cpp_w1})",
             of_ideal >= 0.4,
         ),
         _Target(
@@ -245,6 +246,19 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
             http["failed"],
         ],
     ]
+    if figures.llama_cpp is not None:
+        batched = figures.llama_cpp["w1_all_seated"]
+        rows.append(
+            [
+                f"llama.cpp on {figures.llama_cpp['gguf']} ({batched['batch_size']} sequences "
+                "batched, as llama-server's slots)",
+                batched["output_throughput"],
+                batched["ttft_ms"]["p50"] / 1000,
+                batched["e2e_ms"]["p50"] / 1000,
+                batched["e2e_ms"]["p99"] / 1000,
+                0,
+            ]
+        )
     rss = http["server_peak_rss_bytes"]
     memory = (
         f"The server's peak resident memory (VmHWM) during the run: {_gib(rss)}, against "
@@ -261,7 +275,12 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
             "### W1 with every request seated: offline and over HTTP",
             f"All of W1 at once, with `max_num_seqs {seats}`, first through `LLM.generate` in "
             "this process, then streamed to a `pagedserve serve` process by `bench serve` (its "
-            "client runs on the same 2 cores).",
+            "client runs on the same 2 cores), then, as a peer, through llama.cpp in this "
+            "process with as many threads: each request is its own sequence of one llama.cpp "
+            "context, and each step is one `llama_decode` over every sequence's next token, "
+            "whole prompts filling the rest of a 2,048-token batch, as llama-server runs its "
+            "`--parallel` slots. llama.cpp's rows are greedy argmax over its logits, timed as "
+            "ours are.",
             "```sh\n"
             f"pagedserve bench throughput --dataset w1 --max-num-seqs {seats}\n"
             f"pagedserve serve --max-num-seqs {seats} &\n"
@@ -276,7 +295,7 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
     ours, transformers, *narrow = figures.single_stream
     prompt_len, output_len = config.single_stream
     rate, bound = _decode_tokens_per_s(ours), _bandwidth_bound(context, ours)
-    peers = [] if figures.llama_cpp is None else [figures.llama_cpp]
+    peers = [] if figures.llama_cpp is None else [_llama_cpp_single_stream(figures.llama_cpp)]
     header = [
         "one request alone",
         "output tokens/s, whole request",
@@ -329,17 +348,22 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
     )
 
 
-def _llama_cpp_note(run: dict | None) -> str:
-    if run is None:
+def _llama_cpp_single_stream(llama_cpp: dict) -> dict:
+    """Its single-stream summary, with the bytes its bandwidth bound counts."""
+    return llama_cpp["single_stream"] | {"step_bytes": llama_cpp["step_bytes"]}
+
+
+def _llama_cpp_note(llama_cpp: dict | None) -> str:
+    if llama_cpp is None:
         return (
             "llama.cpp was not measured in this run: llama-cpp-python is not installed (`make "
             "bench` installs it), or the model is no GGUF file."
         )
     return (
-        f"llama.cpp ran the GGUF file itself ({run['gguf']}) through llama-cpp-python, in this "
-        "process with as many threads as ours, greedy, timed as ours is: its bound counts the "
-        f"file's {run['step_bytes'] / 2**20:.0f} MiB of tensors read per step. Its 4-bit "
-        "weights are 4 to 8 times smaller than ours, and its products multiply them with "
+        f"llama.cpp ran the GGUF file itself ({llama_cpp['gguf']}) through llama-cpp-python, in "
+        "this process with as many threads as ours, greedy, timed as ours is: its bound counts "
+        f"the file's {llama_cpp['step_bytes'] / 2**20:.0f} MiB of tensors read per step. Its "
+        "4-bit weights are 4 to 8 times smaller than ours, and its products multiply them with "
         "activations rounded to 8 bits."
     )
 
