@@ -32,9 +32,9 @@ serve: setup
 bench: setup $(BENCH_PEERS)
 	$(BIN)/pagedserve bench report --threads $(BENCH_THREADS)
 
-# llama.cpp, the peer measured beside our single stream: pip builds it from source once, for the
-# instructions of this machine and without its multimodal part (about 7 minutes on 2 cores).
-# Only the benchmarks use it.
+# llama.cpp, the peer measured beside our single stream and W1: pip builds it from source once,
+# for the instructions of this machine and without its multimodal part (about 7 minutes on 2
+# cores). Only the benchmarks use it.
 $(BENCH_PEERS): $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" $(BIN)/pip install --quiet "$(LLAMA_CPP_SPEC)"
 	touch $(BENCH_PEERS)

@@ -2,7 +2,7 @@
 would run it (for the default model, the embedded Q4_1 file itself).
 
 Optional: `make bench` installs llama-cpp-python (pip builds llama.cpp from source, once); without
-it the benchmarks report the peer as not installed. Requests are timed as ours are: TTFT at the
+it the benchmarks report llama.cpp as not measured. Requests are timed as ours are: TTFT at the
 first token, TPOT over the tokens after it, E2E at the last, greedy, with the end-of-sequence
 token ignored. One request alone runs through `Llama.generate`, which yields tokens until it is
 stopped, whatever they are; a workload runs as llama.cpp's server runs its parallel slots: one
@@ -85,6 +85,11 @@ def run_llama_cpp_batched(
     llama-server runs `--parallel` slots, and its default batch of 2,048 tokens a step."""
     import llama_cpp
 
+    longest_prompt = max(r.prompt_len for r in requests)
+    if longest_prompt > batch_tokens:
+        raise ValueError(
+            f"batch_tokens: {batch_tokens} cannot hold a prompt of {longest_prompt} tokens"
+        )
     # llama-cpp-python passes llama.cpp's log to this logger: hundreds of lines per model load.
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
     llama_cpp.llama_backend_init()
@@ -96,7 +101,7 @@ def run_llama_cpp_batched(
     params.n_batch = batch_tokens
     params.n_seq_max = len(requests)
     # One cache stream per sequence: a cache shared by all (kv_unified) made W1 slower here
-    # (65.6 against 78.1 output tokens/s).
+    # (65.6 against 78.1 output tokens/s, one run each).
     params.kv_unified = False
     params.n_threads = params.n_threads_batch = threads
     context = llama_cpp.llama_init_from_model(model, params)
