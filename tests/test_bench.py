@@ -246,6 +246,17 @@ def test_bench_serve_command_on_the_chat_endpoint(server, tmp_path, capsys):
     assert "TTFT" in capsys.readouterr().out
 
 
+def test_llama_cpp_baseline_refuses_a_checkpoint_directory(checkpoint):
+    from pagedserve.cli import main
+
+    command = f"bench throughput --model {checkpoint} --num-prompts 2 --baseline llama.cpp"
+    with pytest.raises(SystemExit) as exit_info:
+        main(command.split())
+    assert str(exit_info.value) == (
+        f"pagedserve: error: baseline llama.cpp: model '{checkpoint}' is no GGUF file"
+    )
+
+
 def test_seed_scenario_timeline(checkpoint):
     from pagedserve.bench.timeline import HELD, RUNNING, run_seed_scenario
 

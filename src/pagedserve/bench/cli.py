@@ -39,11 +39,16 @@ def add_bench_parser(commands, add_engine_args: AddArgs) -> None:
     serve.set_defaults(handler=_serve)
 
     throughput = kinds.add_parser("throughput", help="a workload through LLM.generate, offline")
-    throughput.add_argument("--baseline", choices=("transformers",), default=None)
+    throughput.add_argument(
+        "--baseline",
+        choices=("transformers", "llama.cpp"),
+        default=None,
+        help="llama.cpp runs the model's GGUF file with max_num_seqs parallel sequences",
+    )
     throughput.add_argument(
         "--baseline-batch-sizes",
         default=None,
-        help="comma-separated batch sizes for the baseline, one run each (default: max_num_seqs)",
+        help="comma-separated batch sizes for transformers, one run each (default: max_num_seqs)",
     )
     _add_dataset_args(throughput)
     add_engine_args(throughput)
@@ -167,7 +172,7 @@ def _throughput(args: argparse.Namespace) -> None:
     if len(runs) > 1:
         best = fastest(runs[1:])
         print(
-            f"\n{runs[0]['name']} / transformers at batch {best['batch_size']} (its best) "
+            f"\n{runs[0]['name']} / {best['name']} at batch {best['batch_size']} (its best) "
             f"output tokens/s: {output_ratio(runs[0], best):.2f}x"
         )
     _write({"runs": runs}, args.result_file)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,12 +22,21 @@ import numpy as np
 
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.bench.offline import WARM_UP, OfflineRun
+from pagedserve.model.source import default_gguf_path
 
 NAME = "llama.cpp (llama-cpp-python)"
 
 
 def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file a model argument names (None: the default model's), or None for a
+    checkpoint directory, which llama.cpp cannot read."""
+    if model is None:
+        return default_gguf_path()
+    return Path(model) if model.endswith(".gguf") else None
 
 
 def gguf_weight_bytes(gguf_path: Path) -> int:
@@ -79,11 +89,18 @@ def _token_times(model, request: BenchRequest) -> list[float]:
 
 
 def run_llama_cpp_batched(
-    requests: list[BenchRequest], gguf_path: Path, threads: int, batch_tokens: int = 2048
+    requests: list[BenchRequest],
+    gguf_path: Path,
+    threads: int,
+    parallel: int | None = None,
+    batch_tokens: int = 2048,
 ) -> OfflineRun:
-    """Every request at once, each its own sequence of one context with a cache of its own, as
-    llama-server runs `--parallel` slots, and its default batch of 2,048 tokens a step."""
+    """The requests, all arriving at once, on `parallel` sequences of one context (default: one
+    each), each with a cache of its own, as llama-server runs `--parallel` slots, with its
+    default batch of 2,048 tokens a step. A request waits for a free sequence in order."""
     import llama_cpp
+
+    parallel = parallel or len(requests)
 
     longest_prompt = max(r.prompt_len for r in requests)
     if longest_prompt > batch_tokens:
@@ -97,9 +114,9 @@ def run_llama_cpp_batched(
         str(gguf_path).encode(), llama_cpp.llama_model_default_params()
     )
     params = llama_cpp.llama_context_default_params()
-    params.n_ctx = len(requests) * max(r.prompt_len + r.output_len for r in requests)
+    params.n_ctx = parallel * max(r.prompt_len + r.output_len for r in requests)
     params.n_batch = batch_tokens
-    params.n_seq_max = len(requests)
+    params.n_seq_max = parallel
     # One cache stream per sequence: a cache shared by all (kv_unified) made W1 slower here
     # (65.6 against 78.1 output tokens/s, one run each).
     params.kv_unified = False
@@ -108,7 +125,7 @@ def run_llama_cpp_batched(
     batch = llama_cpp.llama_batch_init(batch_tokens, 0, 1)
     vocab_size = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     try:
-        return _decode_all(requests, context, batch, batch_tokens, vocab_size)
+        return _decode_all(requests, parallel, context, batch, batch_tokens, vocab_size)
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(context)
@@ -117,9 +134,9 @@ def run_llama_cpp_batched(
 
 @dataclass
 class _Slot:
-    seq_id: int
     request: BenchRequest
-    tokens: list[int] = field(default_factory=list)  # prompt, then the outputs so far
+    tokens: list[int]  # prompt, then the outputs so far
+    seq_id: int | None = None  # the sequence it runs on, once seated
     token_times: list[float] = field(default_factory=list)
     prefilled: bool = False
 
@@ -128,16 +145,23 @@ class _Slot:
         return len(self.token_times) == self.request.output_len
 
 
-def _decode_all(requests, context, batch, batch_tokens: int, vocab_size: int) -> OfflineRun:
+def _decode_all(
+    requests, parallel: int, context, batch, batch_tokens: int, vocab_size: int
+) -> OfflineRun:
     import llama_cpp
 
-    slots = [_Slot(i, r, list(r.prompt_token_ids)) for i, r in enumerate(requests)]
+    slots = [_Slot(r, list(r.prompt_token_ids)) for r in requests]
+    waiting, free_seq_ids, seated = deque(slots), list(range(parallel)), []
+    memory = llama_cpp.llama_get_memory(context)
     started = time.perf_counter()
-    while not all(slot.done for slot in slots):
+    while waiting or seated:
+        while waiting and free_seq_ids:
+            waiting[0].seq_id = free_seq_ids.pop()
+            seated.append(waiting.popleft())
         # Decodes first, then whole prompts while they fit, as llama-server fills its batch.
-        stepping = [slot for slot in slots if slot.prefilled and not slot.done]
+        stepping = [slot for slot in seated if slot.prefilled]
         budget = batch_tokens - len(stepping)
-        for slot in slots:
+        for slot in seated:
             if not slot.prefilled and slot.request.prompt_len <= budget:
                 stepping.append(slot)
                 budget -= slot.request.prompt_len
@@ -155,10 +179,14 @@ def _decode_all(requests, context, batch, batch_tokens: int, vocab_size: int) ->
             slot.tokens.append(int(np.ctypeslib.as_array(logits, (vocab_size,)).argmax()))
             slot.token_times.append(now)
             slot.prefilled = True
+            if slot.done:
+                llama_cpp.llama_memory_seq_rm(memory, slot.seq_id, -1, -1)
+                free_seq_ids.append(slot.seq_id)
+                seated.remove(slot)
     duration = time.perf_counter() - started
     return OfflineRun(
         name=NAME,
-        batch_size=len(requests),
+        batch_size=parallel,
         duration_s=duration,
         prompt_tokens=sum(r.prompt_len for r in requests),
         output_tokens=sum(r.output_len for r in requests),

@@ -29,6 +29,7 @@ from pagedserve.bench.datasets import (
 )
 from pagedserve.bench.launch import LocalServer
 from pagedserve.bench.llama_cpp_peer import (
+    gguf_file,
     gguf_weight_bytes,
     llama_cpp_installed,
     run_llama_cpp,
@@ -49,7 +50,6 @@ from pagedserve.bench.sweep import DEFAULT_BATCH_SIZES, fixed_requests, run_swee
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.bench.timeline import Segment, run_seed_scenario
 from pagedserve.engine.model_runner import resolve_device
-from pagedserve.model.source import default_gguf_path
 
 logger = logging.getLogger(__name__)
 POLICIES = ("continuous", "static")
@@ -253,13 +253,8 @@ def _llama_cpp_runs(config: ReportConfig, requests: list[BenchRequest]) -> dict 
     """The single-stream request, then all of W1 at once, through llama.cpp on the model's GGUF
     file with as many threads as ours; None when llama-cpp-python is not installed or the model
     is no GGUF file."""
-    if config.model is None:
-        gguf_path = default_gguf_path()
-    elif config.model.endswith(".gguf"):
-        gguf_path = Path(config.model)
-    else:
-        return None
-    if not llama_cpp_installed():
+    gguf_path = gguf_file(config.model)
+    if gguf_path is None or not llama_cpp_installed():
         return None
     threads = torch.get_num_threads()
     alone = run_llama_cpp(fixed_requests(1, *config.single_stream)[0], gguf_path, threads)
