@@ -363,8 +363,8 @@ def _llama_cpp_note(llama_cpp: dict | None) -> str:
         f"llama.cpp ran the GGUF file itself ({llama_cpp['gguf']}) through llama-cpp-python, in "
         "this process with as many threads as ours, greedy, timed as ours is: its bound counts "
         f"the file's {llama_cpp['step_bytes'] / 2**20:.0f} MiB of tensors read per step. Its "
-        "4-bit weights are 4 to 8 times smaller than ours, and its products multiply them with "
-        "activations rounded to 8 bits."
+        "weights stay as the file stores them (4-bit for the default model), and its products "
+        "of quantized weights round the activations to 8 bits."
     )
 
 
