@@ -66,8 +66,8 @@ def speed_targets(context: Context, figures: SpeedFigures, config) -> str:
             f"it runs {context.dtype} (see the ceilings above), so the absolute goals (tokens/s) "
             "are out of its reach whatever the engine does, and each figure is also given as a "
             "fraction of this machine's own ceiling. Ratios measured side by side in this run "
-            "(against transformers, static batching, offline, without chunking) are the fair "
-            "comparison.",
+            "(against transformers, llama.cpp, static batching, offline, without chunking) are "
+            "the fair comparison.",
             markdown_table(header, rows),
             _w1_all_seated(context, figures, config),
             _single_stream(context, figures, config),
