@@ -22,21 +22,12 @@ import numpy as np
 
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.bench.offline import WARM_UP, OfflineRun
-from pagedserve.model.source import default_gguf_path
 
 NAME = "llama.cpp (llama-cpp-python)"
 
 
 def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
-
-
-def gguf_file(model: str | None) -> Path | None:
-    """The GGUF file a model argument names (None: the default model's), or None for a
-    checkpoint directory, which llama.cpp cannot read."""
-    if model is None:
-        return default_gguf_path()
-    return Path(model) if model.endswith(".gguf") else None
 
 
 def gguf_weight_bytes(gguf_path: Path) -> int:
@@ -146,7 +137,7 @@ class _Slot:
 
 
 def _decode_all(
-    requests, parallel: int, context, batch, batch_tokens: int, vocab_size: int
+    requests: list[BenchRequest], parallel: int, context, batch, batch_tokens: int, vocab_size: int
 ) -> OfflineRun:
     import llama_cpp
 
@@ -166,16 +157,15 @@ def _decode_all(
                 stepping.append(slot)
                 budget -= slot.request.prompt_len
         batch.n_tokens = 0
+        logit_entries = []
         for slot in stepping:
             new = slot.tokens[-1:] if slot.prefilled else slot.tokens
-            _add_tokens(batch, new, len(slot.tokens) - len(new), slot.seq_id)
+            logit_entries.append(_add_tokens(batch, new, len(slot.tokens) - len(new), slot.seq_id))
         if llama_cpp.llama_decode(context, batch) != 0:
             raise RuntimeError("llama_decode failed")
         now = time.perf_counter() - started
-        last_entry = -1
-        for slot in stepping:
-            last_entry += 1 if slot.prefilled else slot.request.prompt_len
-            logits = llama_cpp.llama_get_logits_ith(context, last_entry)
+        for slot, entry in zip(stepping, logit_entries, strict=True):
+            logits = llama_cpp.llama_get_logits_ith(context, entry)
             slot.tokens.append(int(np.ctypeslib.as_array(logits, (vocab_size,)).argmax()))
             slot.token_times.append(now)
             slot.prefilled = True
@@ -200,8 +190,9 @@ def _decode_all(
     )
 
 
-def _add_tokens(batch, tokens: list[int], first_position: int, seq_id: int) -> None:
-    """Appends a sequence's tokens to the batch, asking logits for its last one only."""
+def _add_tokens(batch, tokens: list[int], first_position: int, seq_id: int) -> int:
+    """Appends a sequence's tokens to the batch, asking logits for its last one only; returns
+    that token's entry in the batch."""
     for offset, token in enumerate(tokens):
         entry = batch.n_tokens + offset
         batch.token[entry] = token
@@ -210,3 +201,4 @@ def _add_tokens(batch, tokens: list[int], first_position: int, seq_id: int) -> N
         batch.seq_id[entry][0] = seq_id
         batch.logits[entry] = offset == len(tokens) - 1
     batch.n_tokens += len(tokens)
+    return batch.n_tokens - 1

@@ -29,7 +29,6 @@ from pagedserve.bench.datasets import (
 )
 from pagedserve.bench.launch import LocalServer
 from pagedserve.bench.llama_cpp_peer import (
-    gguf_file,
     gguf_weight_bytes,
     llama_cpp_installed,
     run_llama_cpp,
@@ -50,6 +49,7 @@ from pagedserve.bench.sweep import DEFAULT_BATCH_SIZES, fixed_requests, run_swee
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.bench.timeline import Segment, run_seed_scenario
 from pagedserve.engine.model_runner import resolve_device
+from pagedserve.model.source import gguf_file
 
 logger = logging.getLogger(__name__)
 POLICIES = ("continuous", "static")

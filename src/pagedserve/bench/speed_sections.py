@@ -229,36 +229,16 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
         "failed",
     ]
     rows = [
-        [
-            f"offline (`LLM.generate`, max_num_seqs {figures.all_seated.batch_size})",
-            seated["output_throughput"],
-            seated["ttft_ms"]["p50"] / 1000,
-            seated["e2e_ms"]["p50"] / 1000,
-            seated["e2e_ms"]["p99"] / 1000,
-            0,
-        ],
-        [
-            "over HTTP (`bench serve`, streamed)",
-            http["output_throughput"],
-            http["ttft_ms"]["p50"] / 1000,
-            http["e2e_ms"]["p50"] / 1000,
-            http["e2e_ms"]["p99"] / 1000,
-            http["failed"],
-        ],
+        _w1_row(f"offline (`LLM.generate`, max_num_seqs {figures.all_seated.batch_size})", seated),
+        _w1_row("over HTTP (`bench serve`, streamed)", http, http["failed"]),
     ]
     if figures.llama_cpp is not None:
         batched = figures.llama_cpp["w1_all_seated"]
-        rows.append(
-            [
-                f"llama.cpp on {figures.llama_cpp['gguf']} ({batched['batch_size']} sequences "
-                "batched, as llama-server's slots)",
-                batched["output_throughput"],
-                batched["ttft_ms"]["p50"] / 1000,
-                batched["e2e_ms"]["p50"] / 1000,
-                batched["e2e_ms"]["p99"] / 1000,
-                0,
-            ]
+        name = (
+            f"llama.cpp on {figures.llama_cpp['gguf']} ({batched['batch_size']} sequences "
+            "batched, as llama-server's slots)"
         )
+        rows.append(_w1_row(name, batched))
     rss = http["server_peak_rss_bytes"]
     memory = (
         f"The server's peak resident memory (VmHWM) during the run: {_gib(rss)}, against "
@@ -289,6 +269,13 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
             memory,
         ]
     )
+
+
+def _w1_row(name: str, summary: dict, failed: int = 0) -> list[object]:
+    """A W1 run's row: output tokens/s, TTFT p50, E2E p50 and p99 (s), failed requests."""
+    ttft, e2e = summary["ttft_ms"], summary["e2e_ms"]
+    latencies = [ttft["p50"] / 1000, e2e["p50"] / 1000, e2e["p99"] / 1000]
+    return [name, summary["output_throughput"], *latencies, failed]
 
 
 def _single_stream(context: Context, figures: SpeedFigures, config) -> str:

@@ -12,8 +12,9 @@ import torch
 
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.bench.hf_baseline import run_transformers
-from pagedserve.bench.llama_cpp_peer import gguf_file, llama_cpp_installed, run_llama_cpp_batched
+from pagedserve.bench.llama_cpp_peer import llama_cpp_installed, run_llama_cpp_batched
 from pagedserve.bench.offline import OfflineRun, run_engine, with_fresh_llm
+from pagedserve.model.source import gguf_file
 
 
 def run_throughput(

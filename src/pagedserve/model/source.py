@@ -22,17 +22,25 @@ _COMPLETE_MARKER = "pagedserve-converted"
 
 def resolve_model_dir(model: str | None) -> Path:
     """Returns a directory holding config.json, safetensors weights and tokenizer files."""
-    if model is None:
-        return converted_gguf_dir(default_gguf_path())
+    gguf_path = gguf_file(model)
+    if gguf_path is not None:
+        return converted_gguf_dir(gguf_path)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return converted_gguf_dir(path)
     if not path.is_dir():
         raise FileNotFoundError(
             f"model {model!r} is neither a checkpoint directory nor a .gguf file "
             "(no model hub is consulted)"
         )
     return path
+
+
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file a model argument names (None: the default model's), or None when it names
+    none."""
+    if model is None:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def default_gguf_path() -> Path:
