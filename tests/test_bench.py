@@ -474,6 +474,20 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     durations = report.split("Durations in the order run: ")[1].split("\n")[0]
     for run in raw["w1"]:
         assert f"{run['duration_s']:.1f}" in durations
+    # W1 all seated, offline and over HTTP taking turns; the targets use each one's faster run.
+    seated_stages = [name for name in raw["stage_seconds"] if "seated" in name or "HTTP" in name]
+    assert seated_stages == [
+        "W1 all seated 1",
+        "W1 over HTTP 1",
+        "W1 all seated 2",
+        "W1 over HTTP 2",
+    ]
+    speed = raw["speed"]
+    http_rates = [run["output_throughput"] for run in speed["w1_http_rounds"]]
+    assert speed["w1_http"]["output_throughput"] == max(http_rates)
+    seated_durations = [run["duration_s"] for run in speed["w1_all_seated_rounds"]]
+    assert speed["w1_all_seated"]["duration_s"] == min(seated_durations)
+    assert f"over HTTP {http_rates[0]:.1f}, {http_rates[1]:.1f}." in report
     baseline = raw["transformers_baseline"]
     assert [run["batch_size"] for run in baseline] == [2, 1, 2]
     assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report

@@ -70,6 +70,9 @@ class ReportConfig:
     w1_policy_rounds: int = 2
     # Every W1 request seated at once: the offline figure the HTTP run is compared with.
     w1_all_seated: int = 64
+    # Offline and over HTTP each run W1 this many times, taking turns, and each is judged by its
+    # fastest run, as the policies are.
+    w1_seated_rounds: int = 2
     single_stream: tuple[int, int] = (32, 128)  # prompt and output tokens
     # float32 against bfloat16 and int8 packed weights: W1's first requests, outputs capped at
     # this length.
@@ -167,11 +170,10 @@ def _measure_and_render(
     )
     segments = stages.run("seed timeline", partial(_seed_timelines, engine_args))
     serve = stages.run("bench serve", partial(_serve_run, config, setup, batch))
+    seated_runs, http_runs = _w1_seated_rounds(config, requests, stages)
     speed = SpeedFigures(
-        all_seated=stages.run(
-            "W1 all seated", partial(_w1_run, config, requests, "continuous", config.w1_all_seated)
-        ),
-        http=stages.run("W1 over HTTP", partial(_w1_http_run, config, requests)),
+        all_seated_runs=seated_runs,
+        http_runs=http_runs,
         single_stream=stages.run("single stream", partial(_single_stream_run, config)),
         llama_cpp=stages.run("llama.cpp", partial(_llama_cpp_runs, config, requests)),
         narrow_weights_agreement=stages.run(
@@ -219,6 +221,19 @@ def _w1_run(
     return with_fresh_llm(
         config.engine_args, work, max_num_seqs=seats or config.w1_batch_size, scheduler=policy
     )
+
+
+def _w1_seated_rounds(
+    config: ReportConfig, requests: list[BenchRequest], stages: _Stages
+) -> tuple[list[OfflineRun], list[dict]]:
+    """W1 with every request seated, offline then over HTTP, round after round."""
+    seated, http = [], []
+    for round_ in range(1, config.w1_seated_rounds + 1):
+        seats = config.w1_all_seated
+        offline = partial(_w1_run, config, requests, "continuous", seats)
+        seated.append(stages.run(f"W1 all seated {round_}", offline))
+        http.append(stages.run(f"W1 over HTTP {round_}", partial(_w1_http_run, config, requests)))
+    return seated, http
 
 
 def _w1_http_run(config: ReportConfig, requests: list[BenchRequest]) -> dict:
