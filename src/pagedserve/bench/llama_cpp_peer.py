@@ -53,18 +53,7 @@ def run_llama_cpp(request: BenchRequest, gguf_path: Path, threads: int) -> Offli
     _token_times(model, WARM_UP)
     started = time.perf_counter()
     token_times = _token_times(model, request)
-    duration = time.perf_counter() - started
-    first, last = token_times[0], token_times[-1]
-    return OfflineRun(
-        name=NAME,
-        batch_size=1,
-        duration_s=duration,
-        prompt_tokens=request.prompt_len,
-        output_tokens=request.output_len,
-        e2e_s=[last],
-        ttft_s=[first],
-        tpot_s=[(last - first) / (request.output_len - 1)] if request.output_len > 1 else [],
-    )
+    return _timed_run([request], [token_times], time.perf_counter() - started, batch_size=1)
 
 
 def _token_times(model, request: BenchRequest) -> list[float]:
@@ -173,19 +162,25 @@ def _decode_all(
                 llama_cpp.llama_memory_seq_rm(memory, slot.seq_id, -1, -1)
                 free_seq_ids.append(slot.seq_id)
                 seated.remove(slot)
-    duration = time.perf_counter() - started
+    token_times = [slot.token_times for slot in slots]
+    return _timed_run(requests, token_times, time.perf_counter() - started, batch_size=parallel)
+
+
+def _timed_run(
+    requests: list[BenchRequest], token_times: list[list[float]], duration: float, batch_size: int
+) -> OfflineRun:
+    """The run, from each request's token times (seconds from the start): TTFT at its first
+    token, E2E at its last, TPOT over the tokens after the first."""
     return OfflineRun(
         name=NAME,
-        batch_size=parallel,
+        batch_size=batch_size,
         duration_s=duration,
         prompt_tokens=sum(r.prompt_len for r in requests),
         output_tokens=sum(r.output_len for r in requests),
-        e2e_s=[slot.token_times[-1] for slot in slots],
-        ttft_s=[slot.token_times[0] for slot in slots],
+        e2e_s=[times[-1] for times in token_times],
+        ttft_s=[times[0] for times in token_times],
         tpot_s=[
-            (slot.token_times[-1] - slot.token_times[0]) / (slot.request.output_len - 1)
-            for slot in slots
-            if slot.request.output_len > 1
+            (times[-1] - times[0]) / (len(times) - 1) for times in token_times if len(times) > 1
         ],
     )
 

@@ -228,9 +228,8 @@ def _w1_seated_rounds(
 ) -> tuple[list[OfflineRun], list[dict]]:
     """W1 with every request seated, offline then over HTTP, round after round."""
     seated, http = [], []
+    offline = partial(_w1_run, config, requests, "continuous", config.w1_all_seated)
     for round_ in range(1, config.w1_seated_rounds + 1):
-        seats = config.w1_all_seated
-        offline = partial(_w1_run, config, requests, "continuous", seats)
         seated.append(stages.run(f"W1 all seated {round_}", offline))
         http.append(stages.run(f"W1 over HTTP {round_}", partial(_w1_http_run, config, requests)))
     return seated, http
