@@ -450,14 +450,15 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert raw["speed"]["w1_all_seated"]["output_tokens"] == 8632
     assert [p["batch"] for p in raw["speed"]["step_profiles"]] == [1, 4]
     alone = raw["speed"]["single_stream"]
-    narrow_runs = ["ours, bfloat16 packed weights", "ours, int8 packed weights"]
+    narrow = ("bfloat16", "int8", "q4_1")
+    narrow_runs = [f"ours, {dtype} packed weights" for dtype in narrow]
     assert [run["name"] for run in alone] == ["ours", "transformers", *narrow_runs]
-    assert [run["output_tokens"] for run in alone] == [8, 8, 8, 8]
+    assert [run["output_tokens"] for run in alone] == [8] * 5
     # The checkpoint is no GGUF file, so llama.cpp has nothing to run.
     assert raw["speed"]["llama_cpp"] is None
     assert "llama.cpp was not measured in this run" in report
     agreements = raw["speed"]["narrow_weights_agreement"]
-    for agreement, dtype in zip(agreements, ("bfloat16", "int8"), strict=True):
+    for agreement, dtype in zip(agreements, narrow, strict=True):
         assert agreement["variant"] == {"packed_weight_dtype": dtype}
         assert (agreement["requests"], agreement["output_tokens"]) == (2, 8)
         assert f"{dtype}: {agreement['identical']} of 2 identical" in report

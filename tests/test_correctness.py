@@ -94,7 +94,7 @@ def test_cpu_kernels_and_torch_operators_match_transformers(
 
 
 @pytest.mark.parametrize(
-    ("architecture", "packed_dtype"), [("llama", "int8"), ("qwen2", "float32")]
+    ("architecture", "packed_dtype"), [("llama", "int8"), ("llama", "q4_1"), ("qwen2", "float32")]
 )
 def test_decode_layers_in_one_call_equal_the_layers_op_by_op(
     architecture, packed_dtype, tiny_checkpoint
@@ -146,24 +146,51 @@ def _quantized_to_int8(weight: torch.Tensor) -> torch.Tensor:
     return (weight / scale).round().clamp(-127, 127) * scale
 
 
+def _quantized_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q4_1: in groups of 32 inputs, the minimum maps to 0 and the maximum to 15,
+    with the scale and minimum stored as float16; dequantized as scale * value + minimum."""
+    groups = weight.view(weight.shape[0], -1, 32)
+    minimum = groups.amin(dim=-1, keepdim=True).half().float()
+    scale = ((groups.amax(dim=-1, keepdim=True) - minimum) / 15).half().float()
+    values = ((groups - minimum) / scale).round().clamp(0, 15)
+    return (values * scale + minimum).view(weight.shape)
+
+
+def _quantized_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q8_0: in groups of 32 inputs, the largest magnitude maps to 127, with the
+    scale stored as float16."""
+    groups = weight.view(weight.shape[0], -1, 32)
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / 127).half().float()
+    return ((groups / scale).round().clamp(-127, 127) * scale).view(weight.shape)
+
+
+_PANEL_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8, "q4_1": torch.uint8}
+
+
 @pytest.mark.parametrize(
-    ("packed_dtype", "stand_in"),
-    [("bfloat16", _rounded_to_bfloat16), ("int8", _quantized_to_int8)],
+    ("packed_dtype", "stand_in", "logits_stand_in"),
+    [
+        ("bfloat16", _rounded_to_bfloat16, _rounded_to_bfloat16),
+        ("int8", _quantized_to_int8, _quantized_to_int8),
+        ("q4_1", _quantized_to_q4_1, _quantized_to_q8_0),
+    ],
 )
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_narrow_packed_weights_match_transformers_on_the_weights_they_hold(
-    architecture, packed_dtype, stand_in, tiny_checkpoint
+    architecture, packed_dtype, stand_in, logits_stand_in, tiny_checkpoint
 ):
-    """bfloat16 and int8 panels with float32 arithmetic compute what float32 computes from the
-    weights they hold (rounded, or quantized per output feature), so transformers with its linear
-    weights (tied logits included, not the embedding lookup) replaced by those is the reference."""
+    """Narrow panels with float32 arithmetic compute what float32 computes from the weights they
+    hold (rounded, or quantized; q4_1 keeps the logits' weights as q8_0), so transformers with its
+    linear weights (tied logits included, not the embedding lookup) replaced by those is the
+    reference."""
     llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32", packed_weight_dtype=packed_dtype)
     panels = llm.engine.runner.model.layers[0].mlp.down_proj.packed_weight.panels
-    assert panels.dtype == getattr(torch, packed_dtype)
+    assert panels.dtype == _PANEL_DTYPES[packed_dtype]
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(architecture), dtype=torch.float32)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
-            held = stand_in(module.weight.detach())
+            to_hold = logits_stand_in if name == "lm_head" else stand_in
+            held = to_hold(module.weight.detach())
             module.weight = torch.nn.Parameter(held, requires_grad=False)
     expected = [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
     assert _generate(llm) == expected

@@ -8,6 +8,7 @@ from conftest import reference_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.model.quantization import quantize_q4_1, quantize_q8_0
 from pagedserve.model.source import default_gguf_path
 
 PROMPTS = (
@@ -42,6 +43,33 @@ def test_greedy_matches_transformers_on_the_gguf(llm, gguf_reference):
         assert output.prompt_token_ids == prompt_ids
         assert output.outputs[0].token_ids == reference_greedy(model, prompt_ids, 32)
         assert output.outputs[0].text == tokenizer.decode(output.outputs[0].token_ids)
+
+
+def test_q4_1_holds_the_gguf_weights_exactly(gguf_reference):
+    """The GGUF stores every linear map as Q4_1 and the (tied) embeddings as Q8_0. Quantized
+    again, the weights transformers dequantized from it come back to the same bits when
+    dequantized as gguf does (scale * value + minimum, in float32), so --packed-weight-dtype
+    q4_1, with its q8_0 logits, holds the model as published."""
+    _, model = gguf_reference
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            weight = module.weight.detach()
+            values, scales, minima = quantize_q4_1(weight)
+            groups = values.float().view(*scales.shape, 32)
+            held = groups * scales.float()[..., None] + minima.float()[..., None]
+            assert torch.equal(held.view(weight.shape), weight), name
+    embeddings = model.get_input_embeddings().weight.detach()
+    values, scales = quantize_q8_0(embeddings)
+    held = values.float().view(*scales.shape, 32) * scales.float()[..., None]
+    assert torch.equal(held.view(embeddings.shape), embeddings)
+
+
+def test_q4_1_greedy_matches_transformers_on_the_gguf(gguf_reference):
+    _, model = gguf_reference
+    llm = LLM(dtype="float32", packed_weight_dtype="q4_1")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for output in llm.generate(list(PROMPTS), params):
+        assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)
 
 
 def test_chat_knows_the_capital_of_france(llm):

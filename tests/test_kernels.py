@@ -106,40 +106,64 @@ def test_decode_attention_rejects_mismatched_inputs():
         kernel(torch.zeros(1, 4, 8), cache, cache, tables + 4, lens, 1.0, 0)
 
 
-def _weights_to_pack(out_features, in_features, weight_dtype, generator):
-    """(what pack_linear_weight takes, per-feature scale or None, the weights it stands for)."""
-    if weight_dtype == torch.int8:
+def _packed_weights(out_features, in_features, weight_dtype, generator):
+    """(packed panels, per-feature scale or None, the float64 weights they stand for), from
+    random stored values: the reference never goes through our quantization."""
+    pack = torch.ops.pagedserve
+    if weight_dtype == "int8":
         values = torch.randint(-127, 128, (out_features, in_features), generator=generator)
         scale = torch.rand(out_features, generator=generator) / 64
-        return values.to(torch.int8), scale, values.double() * scale.double()[:, None]
+        weight = values.double() * scale.double()[:, None]
+        return pack.pack_linear_weight(values.to(torch.int8)), scale, weight
+    if weight_dtype in ("q4_1", "q8_0"):
+        low, high = (0, 16) if weight_dtype == "q4_1" else (-127, 128)
+        values = torch.randint(low, high, (out_features, in_features), generator=generator)
+        groups = (out_features, in_features // 32)
+        scales = (torch.rand(groups, generator=generator) / 16).half()
+        weight = values.double().view(*groups, 32) * scales.double()[..., None]
+        if weight_dtype == "q8_0":
+            packed = pack.pack_q8_0(values.to(torch.int8), scales)
+        else:
+            minima = (torch.randn(groups, generator=generator) / 4).half()
+            weight += minima.double()[..., None]
+            packed = pack.pack_q4_1(values.to(torch.uint8), scales, minima)
+        return packed, None, weight.view(out_features, in_features)
     weight = torch.randn(out_features, in_features, generator=generator).to(weight_dtype)
-    return weight, None, weight.double()
+    return pack.pack_linear_weight(weight), None, weight.double()
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
+_SHAPES = [  # (rows, in_features, out_features, with_bias)
+    (1, 576, 960, False),  # one decode through SmolLM2's fused qkv
+    (13, 64, 48, True),  # two whole tiles of 6 rows and one row; three panels
+    (40, 64, 48, True),  # narrow panels widened once for all tiles
+    (2, 96, 200, True),  # tiles of 2 rows over 3 panels, then the panels left one by one
+    (7, 32, 3, False),
+]
+_ANY_SHAPES = [  # input features that are not whole groups of 32
+    (5, 20, 40, True),  # a last panel with 8 of its 16 features (32 with AVX-512)
+    (9, 24, 120, False),  # one whole tile, then 3 rows over 2 panels at a time
+    (7, 1, 3, False),
+]
+_DTYPES = [torch.float32, torch.bfloat16, "int8"]
+_BLOCK_DTYPES = ["q4_1", "q8_0"]
+
+
 @pytest.mark.parametrize(
-    ("rows", "in_features", "out_features", "with_bias"),
-    [
-        (1, 576, 960, False),  # one decode through SmolLM2's fused qkv
-        (13, 64, 48, True),  # two whole tiles of 6 rows and one row; three panels
-        (40, 64, 48, True),  # bfloat16 and int8 panels widened once for all tiles
-        (5, 20, 40, True),  # a last panel with 8 of its 16 features (32 with AVX-512)
-        (2, 40, 200, True),  # tiles of 2 rows over 3 panels, then the panels left one by one
-        (9, 24, 120, False),  # one whole tile, then 3 rows over 2 panels at a time
-        (7, 1, 3, False),
-    ],
+    ("rows", "in_features", "out_features", "with_bias", "weight_dtype"),
+    [(*shape, dtype) for shape in _SHAPES + _ANY_SHAPES for dtype in _DTYPES]
+    + [(*shape, dtype) for shape in _SHAPES for dtype in _BLOCK_DTYPES],
 )
 def test_packed_linear_matches_plain_product(
     rows, in_features, out_features, with_bias, weight_dtype
 ):
     """The arithmetic is float32 whatever the panels hold: the reference multiplies the weights
-    they stand for (bfloat16: rounded; int8: value times scale) in float64."""
+    they stand for (bfloat16: rounded; int8: value times scale; Q4_1 and Q8_0: each group's
+    scale times value, plus its minimum) in float64."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
-    to_pack, scale, weight = _weights_to_pack(out_features, in_features, weight_dtype, generator)
+    packed, scale, weight = _packed_weights(out_features, in_features, weight_dtype, generator)
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     x = torch.randn(rows, in_features, generator=generator)
-    packed = torch.ops.pagedserve.pack_linear_weight(to_pack)
 
     out = torch.ops.pagedserve.packed_linear(x, packed, out_features, bias, scale)
 
@@ -147,15 +171,14 @@ def test_packed_linear_matches_plain_product(
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("weight_dtype", _DTYPES + _BLOCK_DTYPES)
 def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
     """Tiles of different heights and widths sum every output in the same order, so a sequence's
     logits are the same bits whatever else shares its step."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
-    to_pack, scale, _ = _weights_to_pack(200, 96, weight_dtype, generator)
+    packed, scale, _ = _packed_weights(200, 96, weight_dtype, generator)
     bias = torch.randn(200, generator=generator)
-    packed = torch.ops.pagedserve.pack_linear_weight(to_pack)
     x = torch.randn(20, 96, generator=generator)
     alone = torch.ops.pagedserve.packed_linear(x[:1], packed, 200, bias, scale)
     for rows in range(2, 21):
@@ -192,6 +215,26 @@ def test_packed_linear_rejects_mismatched_inputs():
         linear(torch.zeros(2, 8), int8_packed, 40, None, torch.ones(40, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="weight must be a 2-D float32, bfloat16 or int8"):
         torch.ops.pagedserve.pack_linear_weight(torch.zeros(4, 4, dtype=torch.float16))
+
+
+def test_block_packing_rejects_mismatched_inputs():
+    assert cpu_kernels_available()
+    pack, linear = torch.ops.pagedserve, torch.ops.pagedserve.packed_linear
+    scales = torch.ones(40, 2, dtype=torch.float16)
+    values = torch.zeros(40, 64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="values must be 0-15"):
+        pack.pack_q4_1(values + 16, scales, scales)
+    with pytest.raises(RuntimeError, match="48 input features are not whole groups of 32"):
+        pack.pack_q4_1(values[:, :48], scales[:, :1], scales[:, :1])
+    with pytest.raises(RuntimeError, match=r"must be float16 of shape \[40, 2\]"):
+        pack.pack_q8_0(values.to(torch.int8), scales.float())
+    with pytest.raises(RuntimeError, match="values must be a 2-D Char tensor"):
+        pack.pack_q8_0(values, scales)
+    packed = pack.pack_q4_1(values, scales, scales)
+    with pytest.raises(RuntimeError, match="is not a pack_linear_weight, pack_q4_1 or pack_q8_0"):
+        linear(torch.zeros(2, 96), packed, 40, None)
+    with pytest.raises(RuntimeError, match="scale is required for int8 panels and only for them"):
+        linear(torch.zeros(2, 64), packed, 40, None, torch.ones(40))
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (7, 20), (3, 2048)])

@@ -45,7 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=defaults["packed_weight_dtype"],
         help="float32 on CPU: store the packed linear weights as this (float32 arithmetic in "
         "every case); bfloat16 halves the bytes a decode step reads and rounds the weights, int8 "
-        "quarters them and quantizes each output feature with its own scale",
+        "quarters them and quantizes each output feature with its own scale, q4_1 stores 5 bits "
+        "a weight in llama.cpp's format (a Q4_1 GGUF's weights exactly; int8 logits)",
     )
     group.add_argument(
         "--no-decode-kernel",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 SCHEDULER_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-PACKED_WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+PACKED_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "q4_1")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -31,7 +31,8 @@ class EngineConfig:
     cpu_kernels: bool = True
     # What those packed weights are stored as; the arithmetic stays float32. bfloat16 halves the
     # bytes each decode step reads, and rounds the weights; int8 quarters them, each output
-    # feature quantized with its own scale.
+    # feature quantized with its own scale; q4_1 (llama.cpp's format, 5 bits a weight) holds a
+    # Q4_1 GGUF's weights exactly, with int8 logits.
     packed_weight_dtype: str = "float32"
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True

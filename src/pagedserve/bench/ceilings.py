@@ -17,6 +17,7 @@ import torch
 
 from pagedserve.model.decoder import DecoderModel
 from pagedserve.model.layers import Linear, PackedWeight, can_use_cpu_kernels
+from pagedserve.model.quantization import BYTES_PER_WEIGHT, logits_weight_dtype
 from pagedserve.timing import Stopwatch
 
 
@@ -37,28 +38,33 @@ class ModelCost:
     weight_elements: int  # every weight, read once per decode step
     element_size: int  # bytes per weight, in the model's dtype
     packed_elements: int  # of those, the linear maps' (the tied output projection included)
+    logits_elements: int  # of those, the output projection's
     flops_per_token: float
 
     @property
     def weight_bytes(self) -> int:
         return self.weight_elements * self.element_size
 
-    def step_bytes(self, packed_element_size: int | None = None) -> int:
-        """The bytes of weights a decode step reads, with the linear maps' weights stored at
-        packed_element_size bytes each when given (int8 panels' scales, one float per output
-        feature, left aside)."""
-        if packed_element_size is None:
+    def step_bytes(self, packed_weight_dtype: str | None = None) -> float:
+        """The bytes of weights a decode step reads, with the linear maps' weights packed as
+        packed_weight_dtype when given (--packed-weight-dtype)."""
+        if packed_weight_dtype is None:
             return self.weight_bytes
-        return self.weight_bytes - self.packed_elements * (self.element_size - packed_element_size)
+        logits_size = BYTES_PER_WEIGHT[logits_weight_dtype(packed_weight_dtype)]
+        return (
+            (self.weight_elements - self.packed_elements) * self.element_size
+            + (self.packed_elements - self.logits_elements) * BYTES_PER_WEIGHT[packed_weight_dtype]
+            + self.logits_elements * logits_size
+        )
 
     def compute_bound_tokens_per_s(self, ceilings: Ceilings, dtype: str) -> float:
         return 1e9 * ceilings.matmul_gflops[dtype] / self.flops_per_token
 
     def bandwidth_bound_tokens_per_s(
-        self, ceilings: Ceilings, packed_element_size: int | None = None
+        self, ceilings: Ceilings, packed_weight_dtype: str | None = None
     ) -> float:
         """Tokens/s of one stream that reads every weight once per token (see step_bytes)."""
-        return 1e9 * ceilings.bandwidth_gbs / self.step_bytes(packed_element_size)
+        return 1e9 * ceilings.bandwidth_gbs / self.step_bytes(packed_weight_dtype)
 
     def ideal_tokens_per_s(self, ceilings: Ceilings, dtype: str, batch: int) -> float:
         return min(
@@ -89,7 +95,8 @@ def matmul_gflops(dtype: torch.dtype, device: torch.device, size: int = 1024) ->
     b = torch.randn(size, size, device=device).to(dtype)
     seconds = _best_seconds(lambda: torch.mm(a, b), device)
     if can_use_cpu_kernels(device, dtype):
-        packed = PackedWeight.pack(b.T, dtype)  # a linear map multiplies by its transpose
+        # a linear map multiplies by its transpose
+        packed = PackedWeight.pack(b.T, str(dtype).removeprefix("torch."))
         seconds = min(seconds, _best_seconds(lambda: packed(a), device))
     return 2 * size**3 / seconds / 1e9
 
@@ -101,7 +108,7 @@ def bandwidth_gbs(device: torch.device, num_bytes: int = 256 * 2**20) -> float:
     buffer = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     seconds = _best_seconds(lambda: buffer.sum(), device)
     if can_use_cpu_kernels(device, torch.float32):
-        packed = PackedWeight.pack(buffer.view(-1, 2048), torch.float32)
+        packed = PackedWeight.pack(buffer.view(-1, 2048), "float32")
         row = torch.ones(1, 2048)
         seconds = min(seconds, _best_seconds(lambda: packed(row), device))
     return num_bytes / seconds / 1e9
@@ -148,10 +155,14 @@ def model_cost(model: DecoderModel) -> ModelCost:
     # Tied embeddings are also the output projection; untied ones are only looked up.
     if model.lm_head is None:
         multiplied += model.embed_tokens.numel()
+        logits_elements = model.embed_tokens.numel()
+    else:
+        logits_elements = model.lm_head.in_features * model.lm_head.out_features
     return ModelCost(
         linear_elements + other_elements,
         model.embed_tokens.element_size(),
         multiplied,
+        logits_elements,
         2.0 * multiplied,
     )
 

@@ -54,7 +54,7 @@ from pagedserve.model.source import gguf_file
 logger = logging.getLogger(__name__)
 POLICIES = ("continuous", "static")
 # Packed weight dtypes run beside float32 (--packed-weight-dtype): fewer bytes per decode step.
-NARROW_WEIGHT_DTYPES = ("bfloat16", "int8")
+NARROW_WEIGHT_DTYPES = ("bfloat16", "int8", "q4_1")
 T = TypeVar("T")
 
 
@@ -74,7 +74,7 @@ class ReportConfig:
     # fastest run, as the policies are.
     w1_seated_rounds: int = 2
     single_stream: tuple[int, int] = (32, 128)  # prompt and output tokens
-    # float32 against bfloat16 and int8 packed weights: W1's first requests, outputs capped at
+    # float32 against narrower packed weights: W1's first requests, outputs capped at
     # this length.
     agreement_requests: int = 16
     agreement_output_len: int = 64

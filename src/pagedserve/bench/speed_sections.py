@@ -210,18 +210,14 @@ def _decode_tokens_per_s(summary: dict) -> float:
     return 1000 / summary["tpot_ms"]["p50"]
 
 
-# Bytes per weight of each packed dtype the single-stream runs may use (--packed-weight-dtype).
-_PACKED_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "int8": 1}
-
-
 def _bandwidth_bound(context: Context, run: dict) -> float:
     """Decode tokens/s of one stream reading each weight once per token, with the linear maps'
     weights as the run packed them, or the bytes the run names (a peer's own weight file)."""
     if "step_bytes" in run:
         return 1e9 * context.ceilings.bandwidth_gbs / run["step_bytes"]
-    dtype = run.get("packed_weight_dtype")
-    size = None if dtype is None else _PACKED_ELEMENT_SIZE[dtype]
-    return context.setup.cost.bandwidth_bound_tokens_per_s(context.ceilings, size)
+    return context.setup.cost.bandwidth_bound_tokens_per_s(
+        context.ceilings, run.get("packed_weight_dtype")
+    )
 
 
 def _rss_limit(context: Context) -> int:
@@ -360,7 +356,9 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             "ours timed the same way, and ours with the linear weights packed narrower "
             "(`--packed-weight-dtype`; float32 arithmetic in every case): bfloat16 rounds the "
             "weights and halves the bytes per step, int8 quantizes each output feature with its "
-            "own scale and quarters them. Each run's bandwidth bound counts the bytes it reads:",
+            "own scale and quarters them, q4_1 stores llama.cpp's Q4_1 (5 bits a weight) with the "
+            "logits' weights in Q8_0 (8.5 bits). Each run's bandwidth bound counts the bytes it "
+            "reads:",
             markdown_table(header, rows),
             _llama_cpp_note(figures.llama_cpp),
             "What narrower weights cost in accuracy: greedy outputs of W1's first "
@@ -368,8 +366,10 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             f"{first['output_tokens']} in all) from float32 against each, with the number of "
             "identical outputs and the share of an output, on average, that comes before its "
             f"first differing token. {agreements}. (bfloat16 keeps 8 bits of mantissa; int8 "
-            "rounds each weight to a step of 1/127 of its row's largest magnitude; the default "
-            "model's weights come from a 4-bit GGUF, dequantized to float32.)",
+            "rounds each weight to a step of 1/127 of its row's largest magnitude. The default "
+            "model's GGUF stores its linear maps as Q4_1 and its embeddings as Q8_0, dequantized "
+            "to float32 on loading: q4_1 holds those weights exactly, so it differs from float32 "
+            "only in the order of its sums.)",
         ]
     )
 

@@ -63,9 +63,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(model_dir, self.dtype, self.device)
         # None: the linear weights are used as loaded, by F.linear.
-        self.packed_weight_dtype: torch.dtype | None = None
+        self.packed_weight_dtype: str | None = None
         if config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype):
-            self.packed_weight_dtype = getattr(torch, config.packed_weight_dtype)
+            self.packed_weight_dtype = config.packed_weight_dtype
             self.model.use_cpu_kernels(self.packed_weight_dtype)
         elif config.packed_weight_dtype != "float32":
             logger.warning(
@@ -95,7 +95,7 @@ class ModelRunner:
         """For the start-up log, e.g. "float32 on cpu, linear weights packed as bfloat16"."""
         summary = f"{_dtype_name(self.dtype)} on {self.device}"
         if self.packed_weight_dtype is not None:
-            summary += f", linear weights packed as {_dtype_name(self.packed_weight_dtype)}"
+            summary += f", linear weights packed as {self.packed_weight_dtype}"
         return summary
 
     @torch.inference_mode()

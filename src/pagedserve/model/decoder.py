@@ -16,6 +16,7 @@ from pagedserve.model.layers import (
     RotaryEmbedding,
     SwiGLU,
 )
+from pagedserve.model.quantization import logits_weight_dtype
 
 
 class DecoderLayer(nn.Module):
@@ -127,15 +128,16 @@ class DecoderModel(nn.Module):
             return self.packed_embeddings(hidden)
         return F.linear(hidden, self.embed_tokens).float()
 
-    def use_cpu_kernels(self, weight_dtype: torch.dtype) -> None:
+    def use_cpu_kernels(self, weight_dtype: str) -> None:
         """Packs every linear map's weight, as weight_dtype, for the C++ product (see
         PackedWeight) and turns on the other C++ kernels: RMSNorm, SwiGLU, and, where no query
         and key norms come first, the rotation with the cache write and whole layers in one call
         for decode-only steps. Tied embeddings keep their plain copy for the lookup and gain a
-        packed one for the logits."""
+        packed one for the logits, which may be packed otherwise (see logits_weight_dtype)."""
+        logits_dtype = logits_weight_dtype(weight_dtype)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_weight(weight_dtype)
+                module.pack_weight(logits_dtype if module is self.lm_head else weight_dtype)
             elif isinstance(module, RMSNorm | SwiGLU):
                 module.fused = True
             elif isinstance(module, PagedAttention):
@@ -145,7 +147,7 @@ class DecoderModel(nn.Module):
                 weight for layer in self.layers for weight in layer.packed_decode_weights()
             ]
         if self.lm_head is None:
-            self.packed_embeddings = PackedWeight.pack(self.embed_tokens, weight_dtype)
+            self.packed_embeddings = PackedWeight.pack(self.embed_tokens, logits_dtype)
 
     def kv_cache_bytes_per_token(self) -> int:
         config = self.config

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.kernels import cpu_kernels_available
+from pagedserve.model.quantization import quantize_int8, quantize_q4_1, quantize_q8_0
 
 
 def can_use_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
@@ -20,23 +21,30 @@ def can_use_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
 @dataclass
 class PackedWeight:
     """A linear weight ([out, in]) reordered once, at load time, into the panels the C++ product
-    streams (csrc/packed_linear.cpp). The panels hold float32 or bfloat16 weights, or int8 values
-    with a float32 scale per output feature; the arithmetic is float32 in every case."""
+    streams (csrc/packed_linear.cpp). The panels hold float32 or bfloat16 weights, int8 values
+    with a float32 scale per output feature, or llama.cpp's Q4_1 or Q8_0 blocks (4-bit or 8-bit
+    values in groups of 32 inputs, each with a float16 scale, and for Q4_1 a minimum); the
+    arithmetic is float32 in every case."""
 
     panels: torch.Tensor
     out_features: int
     scale: torch.Tensor | None  # int8 panels: weight[j] = scale[j] * value[j]
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, dtype: torch.dtype) -> PackedWeight:
-        """dtype: float32, bfloat16 (weights rounded), or int8 (each output feature quantized
-        symmetrically, its largest magnitude mapped to 127)."""
+    def pack(cls, weight: torch.Tensor, dtype: str) -> PackedWeight:
+        """dtype: float32, bfloat16 (weights rounded), int8 (each output feature quantized
+        symmetrically), q4_1 or q8_0 (see pagedserve.model.quantization)."""
         weight = weight.detach().float()
+        if dtype == "q4_1":
+            panels = torch.ops.pagedserve.pack_q4_1(*quantize_q4_1(weight))
+            return cls(panels, weight.shape[0], None)
+        if dtype == "q8_0":
+            panels = torch.ops.pagedserve.pack_q8_0(*quantize_q8_0(weight))
+            return cls(panels, weight.shape[0], None)
         scale = None
-        if dtype == torch.int8:
-            scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-            weight = (weight / scale[:, None]).round_().clamp_(-127, 127)
-        panels = torch.ops.pagedserve.pack_linear_weight(weight.to(dtype))
+        if dtype == "int8":
+            weight, scale = quantize_int8(weight)
+        panels = torch.ops.pagedserve.pack_linear_weight(weight.to(getattr(torch, dtype)))
         return cls(panels, weight.shape[0], scale)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,7 +64,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.packed_weight: PackedWeight | None = None
 
-    def pack_weight(self, dtype: torch.dtype) -> None:
+    def pack_weight(self, dtype: str) -> None:
         """Replaces the loaded weight with its packed copy, stored as dtype (see PackedWeight)."""
         self.packed_weight = PackedWeight.pack(self.weight, dtype)
         self.weight = None

@@ -83,7 +83,7 @@ at::Tensor decode_layer(at::Tensor& hidden, at::Tensor& residual, const WeightLi
            required(weights, first + kPostAttentionNorm), eps);
   const LinearWeights down = LinearWeights::at(weights, first + kDown);
   const at::Tensor gate_up =
-      LinearWeights::at(weights, first + kGateUp)(out, 2 * down.panels.size(1));
+      LinearWeights::at(weights, first + kGateUp)(out, 2 * packed_in_features(down.panels));
   return down(profiled("pagedserve::silu_and_mul", silu_and_mul, gate_up), hidden_size);
 }
 

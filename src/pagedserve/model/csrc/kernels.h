@@ -18,6 +18,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
 // packed_linear.cpp
 at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor pack_q4_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima);
+at::Tensor pack_q8_0(const at::Tensor& values, const at::Tensor& scales);
+int64_t packed_in_features(const at::Tensor& packed_weight);  // what its product takes
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weight,
                          int64_t out_features, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scale);

@@ -7,21 +7,25 @@
 // this reads the weights at the memory bandwidth for one row and beats oneDNN's packed product
 // (1.4-1.6x at 1-32 rows, 1.1-1.4x at 64-512, as fast at 2048).
 //
-// Panels hold float32 or bfloat16 weights, or int8 values with a float32 scale per output
-// feature (weight = scale * value). The arithmetic is float32 whatever they hold, so bfloat16
-// halves and int8 quarters the bytes a decode step reads, on CPUs with no bfloat16 or int8
-// arithmetic too.
+// Panels hold float32 or bfloat16 weights, int8 values with a float32 scale per output feature
+// (weight = scale * value), or llama.cpp's Q4_1 or Q8_0 blocks (see BlockPanels). The arithmetic
+// is float32 whatever they hold, so bfloat16 halves, int8 quarters and Q4_1 cuts to 5/32 the
+// bytes a decode step reads, on CPUs with no bfloat16 or int8 arithmetic too.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -86,6 +90,142 @@ Vec widen(const weight_t* weights) {
   }
 }
 
+// Block panels, in llama.cpp's formats: each output feature's weights are cut into groups of
+// kGroup inputs, each with a float16 scale, and for Q4_1 a float16 minimum too:
+// Q4_1: weight = scale * value + minimum, values 0-15 (5 bits a weight against int8's 8);
+// Q8_0: weight = scale * value, values -127 to 127 (8.5 bits a weight).
+// So a GGUF checkpoint's Q4_1 and Q8_0 weights are held exactly, where int8 panels with one scale
+// per output feature round them again.
+//
+// A tile sums x[k] * value over each group from zero, then adds scale * that sum (and minimum *
+// the group's sum of x) to the output: the weights are never formed, so no multiply-add is spent
+// on them, and every tile shape does the same arithmetic in the same order.
+constexpr int64_t kGroup = 32;
+
+// Vec::size() float16 values as floats.
+Vec widen_halves(const at::Half* halves) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves))));
+#else
+  float values[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) values[i] = static_cast<float>(halves[i]);
+  return Vec::loadu(values);
+#endif
+}
+
+// One panel row's kPanel 4-bit values as floats: the low halves of its bytes, then the high.
+std::pair<Vec, Vec> widen_nibbles(const uint8_t* bytes) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i both =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  return {Vec(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15)))),
+          Vec(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)))};
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i both =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  return {Vec(_mm256_cvtepi32_ps(_mm256_and_si256(both, _mm256_set1_epi32(15)))),
+          Vec(_mm256_cvtepi32_ps(_mm256_srli_epi32(both, 4)))};
+#else
+  float low[Vec::size()], high[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) low[i] = bytes[i] & 15, high[i] = bytes[i] >> 4;
+  return {Vec::loadu(low), Vec::loadu(high)};
+#endif
+}
+
+// What a block holds. A panel row packs two Q4_1 values a byte: feature i in the low half of byte
+// i, feature i + Vec::size() in the high half, so that one widened load gives both of the row's
+// vectors.
+struct Q4_1 {
+  static constexpr bool kMinima = true;
+  static constexpr int64_t kRowBytes = kPanel / 2;
+  static std::pair<Vec, Vec> widen_row(const uint8_t* row) { return widen_nibbles(row); }
+};
+struct Q8_0 {
+  static constexpr bool kMinima = false;
+  static constexpr int64_t kRowBytes = kPanel;
+  static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
+    const auto* values = reinterpret_cast<const int8_t*>(row);
+    return {widen(values), widen(values + Vec::size())};
+  }
+};
+
+// A panel is stored as blocks, one per group: the group's scales (and minima), then its values, so
+// that a tile reads each panel as one stream, as for int8. With Q4_1's scales and minima kept
+// apart, a decode step read them at 9 GB/s, against int8's 15.
+template <typename Format>
+constexpr int64_t kHeaderBytes = (Format::kMinima ? 2 : 1) * kPanel * sizeof(at::Half);
+template <typename Format>
+constexpr int64_t kBlockBytes = kHeaderBytes<Format> + kGroup * Format::kRowBytes;
+
+// Block panels as stored (value_t uint8_t), or with their values widened once into float32
+// (value_t float, [panels][in_features][kPanel]) for products of many rows.
+template <typename Format, typename value_t>
+struct BlockPanels {
+  const uint8_t* blocks;  // [panels][in_features / kGroup][kBlockBytes<Format>]
+  const float* widened;   // nullptr for uint8_t
+  int64_t in_features;
+  // Q4_1: the product's input rows, and each row's sum over each group,
+  // [rows][in_features / kGroup].
+  const float* inputs;
+  const float* input_sums;
+
+  BlockPanels at_panel(int64_t p) const {
+    return {blocks + p * in_features / kGroup * kBlockBytes<Format>,
+            widened == nullptr ? nullptr : widened + p * in_features * kPanel, in_features, inputs,
+            input_sums};
+  }
+  // Row k of the panel, in group g.
+  std::pair<Vec, Vec> row(int64_t g, int64_t k) const {
+    if constexpr (std::is_same_v<value_t, float>) {
+      return {Vec::loadu(widened + k * kPanel), Vec::loadu(widened + k * kPanel + Vec::size())};
+    } else {
+      return Format::widen_row(blocks + g * kBlockBytes<Format> + kHeaderBytes<Format> +
+                               (k - g * kGroup) * Format::kRowBytes);
+    }
+  }
+  // Half (0: low, 1: high) of group g's scales (part 0) or minima (part 1).
+  Vec group_vector(int64_t g, int64_t part, int64_t half) const {
+    const auto* header = reinterpret_cast<const at::Half*>(blocks + g * kBlockBytes<Format>);
+    return widen_halves(header + part * kPanel + half * Vec::size());
+  }
+  // The group sums of the input row that x points to.
+  const float* sums_of(const float* x) const {
+    return input_sums + (x - inputs) / in_features * (in_features / kGroup);
+  }
+};
+
+// Panel p of a product's panels, and `count` panels widened into float32 in `out` for tiles that
+// read them many times: one overload for each kind of panel.
+template <typename weight_t>
+const weight_t* panel_at(const weight_t* panels, int64_t p, int64_t in_features) {
+  return panels + p * in_features * kPanel;
+}
+template <typename Format, typename value_t>
+BlockPanels<Format, value_t> panel_at(BlockPanels<Format, value_t> panels, int64_t p, int64_t) {
+  return panels.at_panel(p);
+}
+
+template <typename weight_t>
+const float* widen_panels(const weight_t* panels, int64_t count, int64_t in_features, float* out) {
+  at::vec::convert(panels, out, count * in_features * kPanel);
+  return out;
+}
+template <typename Format>
+BlockPanels<Format, float> widen_panels(BlockPanels<Format, uint8_t> panels, int64_t count,
+                                        int64_t in_features, float* out) {
+  for (int64_t p = 0; p < count; ++p) {
+    const BlockPanels<Format, uint8_t> panel = panels.at_panel(p);
+    for (int64_t k = 0; k < in_features; ++k) {
+      const auto [low, high] = panel.row(k / kGroup, k);
+      low.store(out + (p * in_features + k) * kPanel);
+      high.store(out + (p * in_features + k) * kPanel + Vec::size());
+    }
+  }
+  return {panels.blocks, out, in_features, panels.inputs, panels.input_sums};
+}
+
 // What a tile makes of its sums: for int8 panels, the scale of each output feature, then the
 // bias. Each covers whole panels; nullptr when absent.
 struct Epilogue {
@@ -101,24 +241,25 @@ struct Epilogue {
   }
 };
 
-// out[m][j] = bias[j] + scale[j] * (x[m] . panel[:, j]) for `rows` input rows against `panels`
-// consecutive panels, of which the first `cols` <= panels * kPanel features are written.
-// Every loop over the accumulators is unrolled: see Register. Kept out of line: inlined into its
-// callers, five int8 rows ran 1.6x slower.
-template <int64_t rows, int64_t panels, typename weight_t>
-[[gnu::noinline]] void tile(const float* x, int64_t in_features, const weight_t* panel,
-                            Epilogue epilogue, float* out, int64_t out_stride, int64_t cols) {
-  constexpr int64_t kSums = 2 * panels;  // accumulators per row
-  const int64_t panel_size = in_features * kPanel;
-  Register sums[rows][kSums];
+// The sums of a tile start from the bias for unscaled weights, so that float32 panels round as
+// the plain product does; scaled ones start from zero.
+template <int64_t rows, int64_t kSums>
+[[gnu::always_inline]] inline void start_sums(Register (&sums)[rows][kSums], Epilogue epilogue) {
 #pragma GCC unroll 12
   for (int64_t j = 0; j < kSums; ++j) {
-    // Unscaled weights start from the bias, so float32 panels round as the plain product does.
     const Vec start = epilogue.scale == nullptr ? epilogue.bias_at(j * Vec::size()) : Vec(0.0f);
 #pragma GCC unroll 6
     for (int64_t m = 0; m < rows; ++m) sums[m][j] = start;
   }
-  for (int64_t k = 0; k < in_features; ++k) {
+}
+
+// sums[m] += x[m][k] * panel[k] for k < steps, over `panels` panels `panel_size` weights apart;
+// x's rows are x_stride apart.
+template <int64_t rows, int64_t panels, typename weight_t>
+[[gnu::always_inline]] inline void accumulate(Register (&sums)[rows][2 * panels], const float* x,
+                                              int64_t x_stride, const weight_t* panel,
+                                              int64_t panel_size, int64_t steps) {
+  for (int64_t k = 0; k < steps; ++k) {
     // The sums take 2 * rows * panels of AVX2's 16 vector registers; what a step of k keeps beside
     // them must fit in the rest, or a sum is kept on the stack.
     if constexpr (panels == 1) {
@@ -127,7 +268,7 @@ template <int64_t rows, int64_t panels, typename weight_t>
       const Vec w_low = widen(panel + k * kPanel), w_high = widen(panel + k * kPanel + Vec::size());
 #pragma GCC unroll 6
       for (int64_t m = 0; m < rows; ++m) {
-        const Vec value(x[m * in_features + k]);
+        const Vec value(x[m * x_stride + k]);
         sums[m][0] = at::vec::fmadd(value, w_low, Vec(sums[m][0]));
         sums[m][1] = at::vec::fmadd(value, w_high, Vec(sums[m][1]));
       }
@@ -136,16 +277,23 @@ template <int64_t rows, int64_t panels, typename weight_t>
       // one vector at a time. Widening a panel's two vectors at once left 3 rows one register
       // short: with a sum on the stack, 3 int8 rows took 1.4x as long as 4.
 #pragma GCC unroll 12
-      for (int64_t j = 0; j < kSums; ++j) {
+      for (int64_t j = 0; j < 2 * panels; ++j) {
         const Vec weights = widen(panel + j / 2 * panel_size + k * kPanel + j % 2 * Vec::size());
 #pragma GCC unroll 6
         for (int64_t m = 0; m < rows; ++m) {
-          sums[m][j] = at::vec::fmadd(Vec(x[m * in_features + k]), weights, Vec(sums[m][j]));
+          sums[m][j] = at::vec::fmadd(Vec(x[m * x_stride + k]), weights, Vec(sums[m][j]));
         }
       }
     }
   }
-  float buffer[panels * kPanel];
+}
+
+// out[m][j] = bias[j] + scale[j] * sums[m][j] (the scale for int8 panels), for the first `cols`
+// features.
+template <int64_t rows, int64_t kSums>
+[[gnu::always_inline]] inline void finish_sums(Register (&sums)[rows][kSums], Epilogue epilogue,
+                                               float* out, int64_t out_stride, int64_t cols) {
+  float buffer[kSums * Vec::size()];
 #pragma GCC unroll 6
   for (int64_t m = 0; m < rows; ++m) {
 #pragma GCC unroll 12
@@ -161,33 +309,96 @@ template <int64_t rows, int64_t panels, typename weight_t>
   }
 }
 
+// out[m][j] = bias[j] + scale[j] * (x[m] . panel[:, j]) for `rows` input rows against `panels`
+// consecutive panels, of which the first `cols` <= panels * kPanel features are written.
+// Every loop over the accumulators is unrolled: see Register. Kept out of line: inlined into its
+// callers, five int8 rows ran 1.6x slower.
+template <int64_t rows, int64_t panels, typename weight_t>
+[[gnu::noinline]] void tile(const float* x, int64_t in_features, const weight_t* panel,
+                            Epilogue epilogue, float* out, int64_t out_stride, int64_t cols) {
+  Register sums[rows][2 * panels];
+  start_sums(sums, epilogue);
+  accumulate<rows, panels>(sums, x, in_features, panel, in_features * kPanel, in_features);
+  finish_sums(sums, epilogue, out, out_stride, cols);
+}
+
+// The same for block panels: each group's sums start from zero in registers and are added, times
+// the group's scales, to totals kept in L1, as are Q4_1's minima times the group's input sums.
+template <int64_t rows, int64_t panels, typename Format, typename value_t>
+[[gnu::noinline]] void tile(const float* x, int64_t in_features, BlockPanels<Format, value_t> panel,
+                            Epilogue epilogue, float* out, int64_t out_stride, int64_t cols) {
+  constexpr int64_t kSums = 2 * panels;
+  const float* group_sums = Format::kMinima ? panel.sums_of(x) : nullptr;
+  const int64_t num_groups = in_features / kGroup;
+  float totals[rows][kSums * Vec::size()];
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t j = 0; j < kSums; ++j) {
+      epilogue.bias_at(j * Vec::size()).store(totals[m] + j * Vec::size());
+    }
+  }
+  for (int64_t g = 0; g < num_groups; ++g) {
+    Register sums[rows][kSums];
+#pragma GCC unroll 12
+    for (int64_t j = 0; j < kSums; ++j) {
+#pragma GCC unroll 6
+      for (int64_t m = 0; m < rows; ++m) sums[m][j] = Vec(0.0f);
+    }
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+#pragma GCC unroll 6
+      for (int64_t p = 0; p < panels; ++p) {
+        const auto [low, high] = panel.at_panel(p).row(g, k);
+#pragma GCC unroll 6
+        for (int64_t m = 0; m < rows; ++m) {
+          const Vec value(x[m * in_features + k]);
+          sums[m][2 * p] = at::vec::fmadd(value, low, Vec(sums[m][2 * p]));
+          sums[m][2 * p + 1] = at::vec::fmadd(value, high, Vec(sums[m][2 * p + 1]));
+        }
+      }
+    }
+#pragma GCC unroll 12
+    for (int64_t j = 0; j < kSums; ++j) {
+      const BlockPanels<Format, value_t> of = panel.at_panel(j / 2);
+      const Vec scale = of.group_vector(g, 0, j % 2);
+      const Vec minimum = Format::kMinima ? of.group_vector(g, 1, j % 2) : Vec(0.0f);
+#pragma GCC unroll 6
+      for (int64_t m = 0; m < rows; ++m) {
+        float* total = totals[m] + j * Vec::size();
+        Vec sum = at::vec::fmadd(Vec(sums[m][j]), scale, Vec::loadu(total));
+        if constexpr (Format::kMinima) {
+          sum = at::vec::fmadd(Vec(group_sums[m * num_groups + g]), minimum, sum);
+        }
+        sum.store(total);
+      }
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) std::copy(totals[m], totals[m] + cols, out + m * out_stride);
+}
+
 // `rows` (< kRows) rows against `count` panels, panels_per_tile(rows) panels at a time; `cols`
 // features of `out` in all.
-template <int64_t rows, typename weight_t>
-void few_rows_against_panels(const float* x, int64_t in_features, const weight_t* panels,
-                             int64_t count, Epilogue epilogue, float* out, int64_t out_stride,
-                             int64_t cols) {
+template <int64_t rows, typename Panels>
+void few_rows_against_panels(const float* x, int64_t in_features, Panels panels, int64_t count,
+                             Epilogue epilogue, float* out, int64_t out_stride, int64_t cols) {
   constexpr int64_t group = panels_per_tile(rows);
-  const int64_t panel_size = in_features * kPanel;
   for (int64_t p = 0; p < count;) {
     const int64_t first = p * kPanel;
     const Epilogue at_panel = epilogue.at_feature(first);
     if (p + group <= count) {
-      tile<rows, group>(x, in_features, panels + p * panel_size, at_panel, out + first,
+      tile<rows, group>(x, in_features, panel_at(panels, p, in_features), at_panel, out + first,
                         out_stride, std::min(group * kPanel, cols - first));
       p += group;
     } else {
-      tile<rows, 1>(x, in_features, panels + p * panel_size, at_panel, out + first, out_stride,
-                    std::min(kPanel, cols - first));
+      tile<rows, 1>(x, in_features, panel_at(panels, p, in_features), at_panel, out + first,
+                    out_stride, std::min(kPanel, cols - first));
       p += 1;
     }
   }
 }
 
-template <typename weight_t>
-void few_rows_against_panels(int64_t rows, const float* x, int64_t in_features,
-                             const weight_t* panels, int64_t count, Epilogue epilogue, float* out,
-                             int64_t out_stride, int64_t cols) {
+template <typename Panels>
+void few_rows_against_panels(int64_t rows, const float* x, int64_t in_features, Panels panels,
+                             int64_t count, Epilogue epilogue, float* out, int64_t out_stride,
+                             int64_t cols) {
   const auto run = [&](auto rows_constant) {
     few_rows_against_panels<decltype(rows_constant)::value>(x, in_features, panels, count,
                                                             epilogue, out, out_stride, cols);
@@ -206,15 +417,15 @@ void few_rows_against_panels(int64_t rows, const float* x, int64_t in_features,
 // of kRows rows one panel at a time, then the rows left over against all the panels at once,
 // while they are still in cache (a second sweep over every panel read the weights twice: 16 rows
 // ran 1.1x slower).
-template <typename weight_t>
-void rows_against_panels(const float* x, int64_t num_rows, int64_t in_features,
-                         const weight_t* panels, int64_t count, Epilogue epilogue, float* out,
-                         int64_t out_stride, int64_t cols) {
-  const int64_t whole_rows = num_rows - num_rows % kRows, panel_size = in_features * kPanel;
+template <typename Panels>
+void rows_against_panels(const float* x, int64_t num_rows, int64_t in_features, Panels panels,
+                         int64_t count, Epilogue epilogue, float* out, int64_t out_stride,
+                         int64_t cols) {
+  const int64_t whole_rows = num_rows - num_rows % kRows;
   for (int64_t p = 0; p < count; ++p) {
     const int64_t first = p * kPanel;
     for (int64_t m = 0; m < whole_rows; m += kRows) {
-      tile<kRows, 1>(x + m * in_features, in_features, panels + p * panel_size,
+      tile<kRows, 1>(x + m * in_features, in_features, panel_at(panels, p, in_features),
                      epilogue.at_feature(first), out + m * out_stride + first, out_stride,
                      std::min(kPanel, cols - first));
     }
@@ -225,23 +436,22 @@ void rows_against_panels(const float* x, int64_t num_rows, int64_t in_features,
 
 // Panels [begin, end) of the product, in groups of as many as the rows left over from whole tiles
 // take at once. Float32 panels, and any panels for up to 2 * kRows rows, are read as stored.
-// Beyond that, bfloat16 or int8 panels are widened once into float32 for all the tiles instead of
-// by each tile again: measured here, widening pays from 16 rows on, and without it 64 rows ran
-// 1.3x slower than from float32 weights.
-template <typename weight_t>
-void product(const float* x, int64_t num_rows, int64_t in_features, const weight_t* weights,
+// Beyond that, bfloat16, int8 or 4-bit panels are widened once into float32 for all the tiles
+// instead of by each tile again: measured here, widening pays from 16 rows on, and without it 64
+// rows ran 1.3x slower than from float32 weights.
+template <typename Panels>
+void product(const float* x, int64_t num_rows, int64_t in_features, Panels weights,
              Epilogue epilogue, float* out, int64_t out_features, int64_t begin, int64_t end) {
-  const int64_t panel_size = in_features * kPanel;
   const int64_t group = panels_per_tile(num_rows % kRows);
-  const bool widen_once = !std::is_same_v<weight_t, float> && num_rows > 2 * kRows;
-  std::vector<float> widened(widen_once ? group * panel_size : 0);
+  const bool widen_once = !std::is_same_v<Panels, const float*> && num_rows > 2 * kRows;
+  std::vector<float> widened(widen_once ? group * in_features * kPanel : 0);
   for (int64_t first = begin; first < end; first += group) {
     const int64_t count = std::min(group, end - first), feature = first * kPanel;
     const int64_t cols = std::min(count * kPanel, out_features - feature);
-    const weight_t* panels = weights + first * panel_size;
+    const Panels panels = panel_at(weights, first, in_features);
     if (widen_once) {
-      at::vec::convert(panels, widened.data(), count * panel_size);
-      rows_against_panels(x, num_rows, in_features, widened.data(), count,
+      rows_against_panels(x, num_rows, in_features,
+                          widen_panels(panels, count, in_features, widened.data()), count,
                           epilogue.at_feature(feature), out + feature, out_features, cols);
     } else {
       rows_against_panels(x, num_rows, in_features, panels, count, epilogue.at_feature(feature),
@@ -269,6 +479,35 @@ const float* per_feature(const std::optional<at::Tensor>& values, int64_t featur
   return padded.data_ptr<float>();
 }
 
+// Block panels from each group's header parts ([out][in / kGroup] float16 each: scales, then
+// minima for Q4_1) and the values' panel rows ([panels][in][row bytes], uint8).
+at::Tensor pack_blocks(at::TensorList header_parts, const at::Tensor& value_rows) {
+  const int64_t out_features = header_parts[0].size(0), num_groups = header_parts[0].size(1);
+  const int64_t num_panels = value_rows.size(0), parts = static_cast<int64_t>(header_parts.size());
+  at::Tensor headers = at::zeros({num_panels * kPanel, num_groups, parts}, at::kHalf);
+  headers.narrow(0, 0, out_features).copy_(at::stack(header_parts, 2));
+  headers = headers.view({num_panels, kPanel, num_groups, parts}).permute({0, 2, 3, 1});
+  headers = headers.contiguous();
+  const at::Tensor header_bytes = headers.view({num_panels, num_groups, parts * kPanel});
+  return at::cat(
+      {header_bytes.view(at::kByte), value_rows.reshape({num_panels, num_groups, -1})}, 2);
+}
+
+void check_block_inputs(const char* op, const at::Tensor& values, at::ScalarType values_type,
+                        at::TensorList header_parts) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == values_type, op, ": values must be a ",
+              "2-D ", values_type, " tensor, got ", values.sizes(), " ", values.scalar_type());
+  TORCH_CHECK(values.size(1) % kGroup == 0, op, ": ", values.size(1),
+              " input features are not whole groups of ", kGroup);
+  const std::vector<int64_t> group_shape{values.size(0), values.size(1) / kGroup};
+  for (const at::Tensor& part : header_parts) {
+    TORCH_CHECK(part.sizes() == group_shape && part.scalar_type() == at::kHalf, op,
+                ": scales (and minima) must be float16 of shape ", c10::IntArrayRef(group_shape),
+                ", got ",
+                part.sizes(), " ", part.scalar_type());
+  }
+}
+
 }  // namespace
 
 namespace pagedserve {
@@ -286,6 +525,31 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({panels, kPanel, in_features}).transpose(1, 2).contiguous();
 }
 
+// values: [out, in] uint8, 0-15; scales and minima: [out, in / kGroup] float16, each group's
+// (weight = scale * value + minimum). Returns Q4_1 block panels as packed_linear takes them:
+// uint8, [panels][in / kGroup][block bytes].
+at::Tensor pack_q4_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima) {
+  check_block_inputs("pack_q4_1", values, at::kByte, {scales, minima});
+  TORCH_CHECK(values.max().item<uint8_t>() < 16, "pack_q4_1: values must be 0-15");
+  // [panels][in][kPanel], one value a byte, then two
+  const at::Tensor panels = pack_linear_weight(values.to(at::kChar)).to(at::kByte);
+  const at::Tensor low = panels.narrow(2, 0, kPanel / 2);
+  const at::Tensor high = panels.narrow(2, kPanel / 2, kPanel / 2);
+  return pack_blocks({scales, minima}, low.bitwise_or(high.mul(16)));
+}
+
+// values: [out, in] int8, -127 to 127; scales: [out, in / kGroup] float16 (weight = scale *
+// value). Returns Q8_0 block panels, as pack_q4_1 does.
+at::Tensor pack_q8_0(const at::Tensor& values, const at::Tensor& scales) {
+  check_block_inputs("pack_q8_0", values, at::kChar, {scales});
+  return pack_blocks({scales}, pack_linear_weight(values).view(at::kByte));
+}
+
+int64_t packed_in_features(const at::Tensor& packed_weight) {
+  return packed_weight.scalar_type() == at::kByte ? packed_weight.size(1) * kGroup
+                                                  : packed_weight.size(1);
+}
+
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weight,
                          int64_t out_features, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scale) {
@@ -293,33 +557,59 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
               "packed_linear: input must be a 2-D float32 tensor, got ", input.sizes(), " ",
               input.scalar_type());
   const int64_t num_rows = input.size(0), in_features = input.size(1);
-  TORCH_CHECK(packed_weight.dim() == 3 && is_weight_type(packed_weight.scalar_type()) &&
-                  packed_weight.is_contiguous() && packed_weight.size(1) == in_features &&
-                  packed_weight.size(2) == kPanel,
-              "packed_linear: packed_weight ", packed_weight.sizes(),
-              " is not a pack_linear_weight result for ", in_features, " input features");
+  const at::ScalarType type = packed_weight.scalar_type();
+  const bool blocks = type == at::kByte;  // Q4_1 or Q8_0, told apart by their block size
+  const int64_t block_bytes = packed_weight.dim() == 3 ? packed_weight.size(2) : 0;
+  const bool shaped =
+      blocks ? in_features % kGroup == 0 && packed_weight.size(1) == in_features / kGroup &&
+                   (block_bytes == kBlockBytes<Q4_1> || block_bytes == kBlockBytes<Q8_0>)
+             : packed_weight.size(1) == in_features && block_bytes == kPanel;
+  TORCH_CHECK(packed_weight.dim() == 3 && (is_weight_type(type) || blocks) &&
+                  packed_weight.is_contiguous() && shaped,
+              "packed_linear: packed_weight ", packed_weight.sizes(), " ", type,
+              " is not a pack_linear_weight, pack_q4_1 or pack_q8_0 result for ", in_features,
+              " input features");
   const int64_t panels = packed_weight.size(0);
   TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
               "packed_linear: out_features ", out_features, " does not fit ", panels, " panels of ",
               kPanel);
-  const bool quantized = packed_weight.scalar_type() == at::kChar;
-  TORCH_CHECK(quantized == scale.has_value(),
+  TORCH_CHECK((type == at::kChar) == scale.has_value(),
               "packed_linear: scale is required for int8 panels and only for them");
   at::Tensor padded_bias, padded_scale;
-  const Epilogue epilogue{per_feature(bias, out_features, panels, "bias", padded_bias),
-                          per_feature(scale, out_features, panels, "scale", padded_scale)};
+  const float* bias_data = per_feature(bias, out_features, panels, "bias", padded_bias);
   const at::Tensor x = input.contiguous();
   at::Tensor out = at::empty({num_rows, out_features}, input.options());
-  const auto run = [&](const auto* weights) {
+  const auto run = [&](auto weights, Epilogue epilogue) {
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      product(x.data_ptr<float>(), num_rows, in_features, weights, epilogue,
+      product(x.const_data_ptr<float>(), num_rows, in_features, weights, epilogue,
               out.data_ptr<float>(), out_features, begin, end);
     });
   };
-  switch (packed_weight.scalar_type()) {
-    case at::kBFloat16: run(packed_weight.data_ptr<at::BFloat16>()); break;
-    case at::kChar: run(packed_weight.data_ptr<int8_t>()); break;
-    default: run(packed_weight.data_ptr<float>());
+  const Epilogue unscaled{bias_data, nullptr};
+  switch (type) {
+    case at::kByte: {
+      const uint8_t* block_data = packed_weight.const_data_ptr<uint8_t>();
+      const float* rows = x.const_data_ptr<float>();
+      if (block_bytes == kBlockBytes<Q8_0>) {
+        run(BlockPanels<Q8_0, uint8_t>{block_data, nullptr, in_features, rows, nullptr},
+            unscaled);
+        break;
+      }
+      std::vector<float> input_sums(num_rows * in_features / kGroup);
+      for (int64_t i = 0; i < static_cast<int64_t>(input_sums.size()); ++i) {
+        input_sums[i] = at::vec::reduce_all<float>(
+            [](const Vec& a, const Vec& b) { return a + b; }, rows + i * kGroup, kGroup);
+      }
+      run(BlockPanels<Q4_1, uint8_t>{block_data, nullptr, in_features, rows, input_sums.data()},
+          unscaled);
+      break;
+    }
+    case at::kChar:
+      run(packed_weight.const_data_ptr<int8_t>(),
+          {bias_data, per_feature(scale, out_features, panels, "scale", padded_scale)});
+      break;
+    case at::kBFloat16: run(packed_weight.const_data_ptr<at::BFloat16>(), unscaled); break;
+    default: run(packed_weight.const_data_ptr<float>(), unscaled);
   }
   return out;
 }
@@ -328,6 +618,8 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("pack_q4_1(Tensor values, Tensor scales, Tensor minima) -> Tensor");
+  m.def("pack_q8_0(Tensor values, Tensor scales) -> Tensor");
   m.def(
       "packed_linear(Tensor input, Tensor packed_weight, int out_features, Tensor? bias, "
       "Tensor? scale=None) -> Tensor");
@@ -335,5 +627,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("pack_linear_weight", &pagedserve::pack_linear_weight);
+  m.impl("pack_q4_1", &pagedserve::pack_q4_1);
+  m.impl("pack_q8_0", &pagedserve::pack_q8_0);
   m.impl("packed_linear", &pagedserve::packed_linear);
 }
