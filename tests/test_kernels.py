@@ -233,6 +233,8 @@ def test_block_packing_rejects_mismatched_inputs():
     packed = pack.pack_q4_1(values, scales, scales)
     with pytest.raises(RuntimeError, match="is not a pack_linear_weight, pack_q4_1 or pack_q8_0"):
         linear(torch.zeros(2, 96), packed, 40, None)
+    with pytest.raises(RuntimeError, match="is not a pack_linear_weight, pack_q4_1 or pack_q8_0"):
+        linear(torch.zeros(2, 64), packed.view(-1), 40, None)
     with pytest.raises(RuntimeError, match="scale is required for int8 panels and only for them"):
         linear(torch.zeros(2, 64), packed, 40, None, torch.ones(40))
 

@@ -559,12 +559,14 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
   const int64_t num_rows = input.size(0), in_features = input.size(1);
   const at::ScalarType type = packed_weight.scalar_type();
   const bool blocks = type == at::kByte;  // Q4_1 or Q8_0, told apart by their block size
-  const int64_t block_bytes = packed_weight.dim() == 3 ? packed_weight.size(2) : 0;
+  const bool three_d = packed_weight.dim() == 3;
+  const int64_t panel_rows = three_d ? packed_weight.size(1) : 0;  // inputs, or groups of them
+  const int64_t block_bytes = three_d ? packed_weight.size(2) : 0;
   const bool shaped =
-      blocks ? in_features % kGroup == 0 && packed_weight.size(1) == in_features / kGroup &&
+      blocks ? in_features % kGroup == 0 && panel_rows == in_features / kGroup &&
                    (block_bytes == kBlockBytes<Q4_1> || block_bytes == kBlockBytes<Q8_0>)
-             : packed_weight.size(1) == in_features && block_bytes == kPanel;
-  TORCH_CHECK(packed_weight.dim() == 3 && (is_weight_type(type) || blocks) &&
+             : panel_rows == in_features && block_bytes == kPanel;
+  TORCH_CHECK(three_d && (is_weight_type(type) || blocks) &&
                   packed_weight.is_contiguous() && shaped,
               "packed_linear: packed_weight ", packed_weight.sizes(), " ", type,
               " is not a pack_linear_weight, pack_q4_1 or pack_q8_0 result for ", in_features,
