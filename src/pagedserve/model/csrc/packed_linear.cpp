@@ -58,9 +58,9 @@ constexpr int64_t panels_per_tile(int64_t rows) {
   return rows == 0 ? 1 : std::max<int64_t>(1, kRows / rows);
 }
 
-// Vec::size() consecutive stored weights as floats. Each conversion reads its weights straight
-// from memory: through at::vec's bfloat16 conversion, which loads a whole panel row and splits it,
-// a bfloat16 panel was read 1.5x slower than an int8 one.
+// Vec::size() consecutive stored weights (or block panels' float16 scales) as floats. Each
+// conversion reads its values straight from memory: through at::vec's bfloat16 conversion, which
+// loads a whole panel row and splits it, a bfloat16 panel was read 1.5x slower than an int8 one.
 template <typename weight_t>
 Vec widen(const weight_t* weights) {
   if constexpr (std::is_same_v<weight_t, float>) {
@@ -70,6 +70,8 @@ Vec widen(const weight_t* weights) {
     if constexpr (std::is_same_v<weight_t, int8_t>) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights));
       return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+    } else if constexpr (std::is_same_v<weight_t, at::Half>) {
+      return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights))));
     } else {  // bfloat16: the upper 16 bits of a float32
       const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights));
       return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16)));
@@ -78,6 +80,8 @@ Vec widen(const weight_t* weights) {
     if constexpr (std::is_same_v<weight_t, int8_t>) {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(weights));
       return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+    } else if constexpr (std::is_same_v<weight_t, at::Half>) {
+      return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(weights))));
     } else {  // bfloat16: the upper 16 bits of a float32
       const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights));
       return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)));
@@ -101,19 +105,6 @@ Vec widen(const weight_t* weights) {
 // the group's sum of x) to the output: the weights are never formed, so no multiply-add is spent
 // on them, and every tile shape does the same arithmetic in the same order.
 constexpr int64_t kGroup = 32;
-
-// Vec::size() float16 values as floats.
-Vec widen_halves(const at::Half* halves) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves))));
-#else
-  float values[Vec::size()];
-  for (int64_t i = 0; i < Vec::size(); ++i) values[i] = static_cast<float>(halves[i]);
-  return Vec::loadu(values);
-#endif
-}
 
 // One panel row's kPanel 4-bit values as floats: the low halves of its bytes, then the high.
 std::pair<Vec, Vec> widen_nibbles(const uint8_t* bytes) {
@@ -188,7 +179,7 @@ struct BlockPanels {
   // Half (0: low, 1: high) of group g's scales (part 0) or minima (part 1).
   Vec group_vector(int64_t g, int64_t part, int64_t half) const {
     const auto* header = reinterpret_cast<const at::Half*>(blocks + g * kBlockBytes<Format>);
-    return widen_halves(header + part * kPanel + half * Vec::size());
+    return widen(header + part * kPanel + half * Vec::size());
   }
   // The group sums of the input row that x points to.
   const float* sums_of(const float* x) const {
