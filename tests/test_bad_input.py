@@ -82,6 +82,8 @@ def test_engine_settings_are_checked(tiny_checkpoint):
         LLM(str(tiny_checkpoint("llama")), kv_cache_memory="lots")
     with pytest.raises(ValueError, match="packed_weight_dtype must be one of"):
         LLM(str(tiny_checkpoint("llama")), packed_weight_dtype="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM(str(tiny_checkpoint("llama")), kv_cache_dtype="fp8")
 
 
 def test_missing_model_files_are_named(tmp_path, tiny_checkpoint):

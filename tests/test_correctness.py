@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_ARCHITECTURES, reference_greedy
-from transformers import AutoModelForCausalLM
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.attention import AttentionBatch
@@ -206,3 +207,34 @@ def test_both_decode_attention_paths_match_transformers(architecture, tiny_check
     assert not gathered.engine.runner.decode_in_place
     assert _generate(in_place) == references(architecture)
     assert _generate(gathered) == references(architecture)
+
+
+def _attention_on_rounded_cache(module, query, key, value, *args, **kwargs):
+    """transformers' SDPA attention over keys and values rounded to bfloat16, as a bfloat16 KV
+    cache holds them (rounding is idempotent, so the cached ones round to themselves)."""
+    key, value = key.bfloat16().float(), value.bfloat16().float()
+    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+
+@pytest.mark.parametrize("decode_kernel", [True, False])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_bfloat16_kv_cache_matches_transformers_on_the_values_it_holds(
+    architecture, decode_kernel, tiny_checkpoint, references
+):
+    """--kv-cache-dtype bfloat16 under a float32 model stores each key and value rounded once and
+    computes in float32 (the C++ decode attention, or SDPA over gathered blocks), so transformers
+    attending over rounded keys and values is the reference. The same memory holds twice the
+    blocks."""
+    checkpoint = str(tiny_checkpoint(architecture))
+    llm = LLM(checkpoint, dtype="float32", kv_cache_dtype="bfloat16", decode_kernel=decode_kernel)
+    full = LLM(checkpoint, dtype="float32")
+    runner = llm.engine.runner
+    assert runner.model.k_caches[0].dtype == torch.bfloat16 and runner.dtype == torch.float32
+    assert runner.num_blocks == 2 * full.engine.runner.num_blocks
+    AttentionInterface.register("sdpa_on_bfloat16_cache", _attention_on_rounded_cache)
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="sdpa_on_bfloat16_cache"
+    )
+    expected = [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
+    assert expected != references(architecture)  # the rounding changes outputs here
+    assert _generate(llm) == expected

@@ -66,6 +66,24 @@ def test_decode_attention_matches_plain_attention(num_heads, num_kv_heads, head_
     _assert_matches_reference(out, *inputs, context_lens, window)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_takes_float32_queries_on_a_narrower_cache(cache_dtype):
+    """--kv-cache-dtype under a float32 model: the cache holds rounded keys and values, and the
+    arithmetic is float32, so the output is float32 attention over the values the cache holds."""
+    assert cpu_kernels_available()
+    context_lens = torch.tensor([1, 4, 5, 17, 30, 2])
+    query, k_cache, v_cache, tables = _paged_decode_inputs(6, 64, 8, (4, 3, 64), 9, torch.float32)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+
+    out = torch.ops.pagedserve.paged_decode_attention(
+        query, k_cache, v_cache, tables, context_lens, 64**-0.5, 0
+    )
+
+    assert out.dtype == torch.float32
+    expected = _reference(query, k_cache, v_cache, tables, context_lens, 0)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("window", "dtype"), [(0, torch.float32), (700, torch.float32), (0, torch.bfloat16)]
 )
@@ -104,6 +122,10 @@ def test_decode_attention_rejects_mismatched_inputs():
         kernel(torch.zeros(1, 4, 8), cache, cache, tables, lens + 4, 1.0, 0)
     with pytest.raises(RuntimeError, match="block 4 is not in the cache"):
         kernel(torch.zeros(1, 4, 8), cache, cache, tables + 4, lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="caches must share a dtype"):
+        kernel(torch.zeros(1, 4, 8), cache, cache.bfloat16(), tables, lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="got BFloat16 query, Float and Float caches"):
+        kernel(torch.zeros(1, 4, 8, dtype=torch.bfloat16), cache, cache, tables, lens, 1.0, 0)
 
 
 def _packed_weights(out_features, in_features, weight_dtype, generator):
@@ -316,17 +338,26 @@ def test_row_argmax_rejects_other_inputs():
         torch.ops.pagedserve.row_argmax(torch.zeros(2, 0))
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 24)])
-def test_rotary_and_cache_matches_torch(num_heads, num_kv_heads, head_dim):
-    """Queries come back rotated; rotated keys and plain values land in their slots, and no
-    other slot changes."""
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "cache_dtype"),
+    [
+        (9, 3, 64, torch.float32),
+        (4, 2, 24, torch.float32),
+        (9, 3, 64, torch.bfloat16),
+        (4, 2, 24, torch.float16),
+    ],
+)
+def test_rotary_and_cache_matches_torch(num_heads, num_kv_heads, head_dim, cache_dtype):
+    """Queries come back rotated; rotated keys and plain values land in their slots (rounded
+    once to a narrower cache's dtype), and no other slot changes."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
     num_tokens, cache_shape = 5, (4, 4, num_kv_heads, head_dim)  # 16 slots
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
     angles = RotaryEmbedding(head_dim, 10000.0, 64, torch.float32)(torch.tensor([0, 3, 7, 8, 60]))
     slots = torch.tensor([2, 15, 0, 9, 4])
-    k_cache, v_cache = torch.randn(cache_shape), torch.randn(cache_shape)
+    k_cache = torch.randn(cache_shape, generator=generator).to(cache_dtype)
+    v_cache = torch.randn(cache_shape, generator=generator).to(cache_dtype)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
 
     q = torch.ops.pagedserve.rotary_and_cache(
@@ -335,8 +366,8 @@ def test_rotary_and_cache_matches_torch(num_heads, num_kv_heads, head_dim):
 
     heads = qkv.view(num_tokens, -1, head_dim)
     q_heads, k_heads, v_heads = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    expected_k.view(-1, num_kv_heads, head_dim)[slots] = angles.rotate(k_heads)
-    expected_v.view(-1, num_kv_heads, head_dim)[slots] = v_heads
+    expected_k.view(-1, num_kv_heads, head_dim)[slots] = angles.rotate(k_heads).to(cache_dtype)
+    expected_v.view(-1, num_kv_heads, head_dim)[slots] = v_heads.to(cache_dtype)
     torch.testing.assert_close(q, angles.rotate(q_heads), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k_cache, expected_k, atol=1e-6, rtol=1e-6)
     assert torch.equal(v_cache, expected_v)
@@ -357,6 +388,9 @@ def test_rotary_and_cache_rejects_mismatched_inputs():
     with pytest.raises(RuntimeError, match="slot 8 is not in the cache of 8 slots"):
         call(24, 8, 1)
     assert call(32, 7, 2).shape == (1, 2, 8)
+    cache = torch.zeros(2, 4, 1, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="must be contiguous float32, bfloat16 or float16"):
+        call(24, 0, 1)
 
 
 def test_decode_layers_rejects_a_wrong_weight_list():

@@ -8,7 +8,13 @@ import sys
 from dataclasses import fields
 
 from pagedserve.bench.cli import add_bench_parser
-from pagedserve.config import DTYPES, PACKED_WEIGHT_DTYPES, SCHEDULER_POLICIES, EngineConfig
+from pagedserve.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PACKED_WEIGHT_DTYPES,
+    SCHEDULER_POLICIES,
+    EngineConfig,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +30,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--kv-cache-memory", default=defaults["kv_cache_memory"])
     group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=defaults["kv_cache_dtype"],
+        help="what cached keys and values are stored as (auto: the model's dtype); bfloat16 "
+        "under a float32 model holds twice the tokens and halves what decode attention reads",
+    )
     group.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default=defaults["scheduler"])
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument(
@@ -46,7 +59,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="float32 on CPU: store the packed linear weights as this (float32 arithmetic in "
         "every case); bfloat16 halves the bytes a decode step reads and rounds the weights, int8 "
         "quarters them and quantizes each output feature with its own scale, q4_1 stores 5 bits "
-        "a weight in llama.cpp's format (a Q4_1 GGUF's weights exactly; int8 logits)",
+        "a weight in llama.cpp's format (a Q4_1 GGUF's weights exactly; Q8_0 logits)",
     )
     group.add_argument(
         "--no-decode-kernel",

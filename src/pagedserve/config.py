@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 SCHEDULER_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = DTYPES  # auto: the model's dtype
 PACKED_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "q4_1")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -21,6 +22,10 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     kv_cache_memory: str | int = "1GiB"
+    # What keys and values are stored as (auto: the model's dtype). bfloat16 under a float32 model
+    # holds twice the tokens in the same memory, and halves the bytes decode attention reads; the
+    # arithmetic stays float32.
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     scheduler: str = "continuous"
     max_model_len: int | None = None  # None: the model's own context length
@@ -32,7 +37,7 @@ class EngineConfig:
     # What those packed weights are stored as; the arithmetic stays float32. bfloat16 halves the
     # bytes each decode step reads, and rounds the weights; int8 quarters them, each output
     # feature quantized with its own scale; q4_1 (llama.cpp's format, 5 bits a weight) holds a
-    # Q4_1 GGUF's weights exactly, with int8 logits.
+    # Q4_1 GGUF's weights exactly, with Q8_0 logits.
     packed_weight_dtype: str = "float32"
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True
@@ -52,6 +57,10 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.packed_weight_dtype not in PACKED_WEIGHT_DTYPES:
             raise ValueError(
                 f"packed_weight_dtype must be one of {PACKED_WEIGHT_DTYPES}, "

@@ -42,8 +42,9 @@ class KvLayout:
 
     @classmethod
     def of(cls, engine: LLMEngine) -> KvLayout:
+        runner = engine.runner
         return cls(
-            bytes_per_token=engine.runner.model.kv_cache_bytes_per_token(),
+            bytes_per_token=runner.model.kv_cache_bytes_per_token(runner.kv_cache_dtype),
             block_size=engine.block_manager.block_size,
             num_blocks=engine.block_manager.num_blocks,
             max_model_len=engine.max_model_len,

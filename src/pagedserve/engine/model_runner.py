@@ -80,7 +80,11 @@ class ModelRunner:
         self.decode_in_place = (
             config.decode_kernel and self.device.type == "cpu" and cpu_kernels_available()
         )
-        bytes_per_block = self.model.kv_cache_bytes_per_token() * config.block_size
+        self.kv_cache_dtype = (
+            self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        )
+        bytes_per_token = self.model.kv_cache_bytes_per_token(self.kv_cache_dtype)
+        bytes_per_block = bytes_per_token * config.block_size
         self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(
@@ -88,7 +92,7 @@ class ModelRunner:
                 f"{bytes_per_block} bytes"
             )
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
-        self.model.attach_kv_cache(self.num_blocks, config.block_size)
+        self.model.attach_kv_cache(self.num_blocks, config.block_size, self.kv_cache_dtype)
         self.eos_token_ids = eos_token_ids
 
     def weights_summary(self) -> str:
@@ -96,6 +100,8 @@ class ModelRunner:
         summary = f"{_dtype_name(self.dtype)} on {self.device}"
         if self.packed_weight_dtype is not None:
             summary += f", linear weights packed as {self.packed_weight_dtype}"
+        if self.kv_cache_dtype != self.dtype:
+            summary += f", KV cache {_dtype_name(self.kv_cache_dtype)}"
         return summary
 
     @torch.inference_mode()

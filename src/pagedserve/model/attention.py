@@ -249,8 +249,9 @@ class PagedAttention(nn.Module):
             q, k = angles.rotate(self.q_norm(q)), angles.rotate(self.k_norm(k))
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         slot_rows = (-1, self.num_kv_heads, self.head_dim)
-        self.k_cache.view(slot_rows).index_copy_(0, batch.slot_mapping, k)
-        self.v_cache.view(slot_rows).index_copy_(0, batch.slot_mapping, v)
+        cache_dtype = self.k_cache.dtype
+        self.k_cache.view(slot_rows).index_copy_(0, batch.slot_mapping, k.to(cache_dtype))
+        self.v_cache.view(slot_rows).index_copy_(0, batch.slot_mapping, v.to(cache_dtype))
         return q
 
     def _attend(self, q: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -263,17 +264,20 @@ class PagedAttention(nn.Module):
 
     def _attend_group(self, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         if group.in_place:
+            # The kernel takes float32 queries against any cache, else the cache's dtype.
+            query = q if q.dtype == torch.float32 else q.to(self.k_cache.dtype)
             return torch.ops.pagedserve.paged_decode_attention(
-                q.contiguous(),
+                query.contiguous(),
                 self.k_cache,
                 self.v_cache,
                 group.block_tables,
                 group.context_lens,
                 self.head_dim**-0.5,
                 self.sliding_window or 0,
-            )
+            ).to(q.dtype)
         num_seqs = group.block_tables.shape[0]
         keys, values = self._gather(self.k_cache, group), self._gather(self.v_cache, group)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         if group.query_slots is None:
             # One query per sequence: each KV head's query heads become its query rows, so SDPA
             # needs no GQA expansion of the keys.

@@ -149,9 +149,9 @@ class DecoderModel(nn.Module):
         if self.lm_head is None:
             self.packed_embeddings = PackedWeight.pack(self.embed_tokens, logits_dtype)
 
-    def kv_cache_bytes_per_token(self) -> int:
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         config = self.config
-        element_size = self.embed_tokens.element_size()
+        element_size = torch.empty(0, dtype=dtype).element_size()
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
 
     def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
@@ -161,12 +161,12 @@ class DecoderModel(nn.Module):
             attention.k_cache[destinations] = attention.k_cache[sources]
             attention.v_cache[destinations] = attention.v_cache[sources]
 
-    def attach_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def attach_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         config = self.config
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        like = self.embed_tokens
+        device = self.embed_tokens.device
         for layer in self.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.k_caches = [layer.self_attn.k_cache for layer in self.layers]
         self.v_caches = [layer.self_attn.v_cache for layer in self.layers]

@@ -5,7 +5,9 @@
 // costs as much memory traffic as the attention itself. Each task reads whole cache rows (every KV
 // head of a token), which lie contiguously inside a block, for a chunk of one sequence's context:
 // a long context is split so that a lone sequence keeps every thread reading, and the partial
-// results are merged by their softmax maxima and sums (as in flash-decoding).
+// results are merged by their softmax maxima and sums (as in flash-decoding). The cache may be
+// narrower than float32 queries (--kv-cache-dtype): its rows are widened to float32 as they are
+// read, and the arithmetic stays float32.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -48,7 +50,7 @@ const float* as_floats(const scalar_t* source, int64_t n, float* buffer) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return source;
   } else {
-    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(source[i]);
+    at::vec::convert(source, buffer, n);
     return buffer;
   }
 }
@@ -146,8 +148,8 @@ struct Chunk {
 // Softmax attention over the chunk's keys into work.out, [heads, head_dim]. A whole context is
 // normalised; a part keeps its weights unnormalised, with each head's max and sum in
 // work.maxima and work.sums for the merge.
-template <typename scalar_t>
-void attend_chunk(const scalar_t* query, const scalar_t* k_cache, const scalar_t* v_cache,
+template <typename query_t, typename scalar_t>
+void attend_chunk(const query_t* query, const scalar_t* k_cache, const scalar_t* v_cache,
                   const int64_t* table, const Chunk& chunk, const Shape& shape, float scale,
                   Workspace& work) {
   const int64_t group = shape.group(), head_dim = shape.head_dim;
@@ -227,6 +229,56 @@ void merge_chunks(const float* outs, const float* maxima, const float* sums, int
   }
 }
 
+// Every chunk's attention into out (query_t: the query's and the output's dtype; scalar_t: the
+// cache's, the same or narrower than float32 queries).
+template <typename query_t, typename scalar_t>
+void attend_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const int64_t* tables, const std::vector<Chunk>& chunks, const Shape& shape,
+                double scale, at::Tensor& out) {
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  const query_t* q = query.const_data_ptr<query_t>();
+  const scalar_t* keys = k_cache.const_data_ptr<scalar_t>();
+  const scalar_t* values = v_cache.const_data_ptr<scalar_t>();
+  query_t* o = out.data_ptr<query_t>();
+  const int64_t per_seq = shape.num_heads * shape.head_dim;
+  // Chunks of split contexts: [chunk][head][dim] outputs and [chunk][head] maxima and sums.
+  const bool any_split = std::any_of(chunks.begin(), chunks.end(),
+                                     [](const Chunk& chunk) { return !chunk.whole; });
+  const size_t parts = any_split ? chunks.size() : 0;
+  std::vector<float> part_outs(parts * per_seq), part_maxima(parts * shape.num_heads),
+      part_sums(parts * shape.num_heads);
+  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+    Workspace work{std::vector<float>(per_seq), std::vector<float>(per_seq), {},
+                   std::vector<float>(shape.head_dim), std::vector<float>(shape.num_heads),
+                   std::vector<float>(shape.num_heads)};
+    for (int64_t i = begin; i < end; ++i) {
+      const Chunk& chunk = chunks[i];
+      attend_chunk(q + chunk.seq * per_seq, keys, values,
+                   tables + chunk.seq * shape.table_width, chunk, shape,
+                   static_cast<float>(scale), work);
+      if (chunk.whole) {
+        std::transform(work.out.begin(), work.out.end(), o + chunk.seq * per_seq,
+                       [](float x) { return static_cast<query_t>(x); });
+      } else {
+        std::copy(work.out.begin(), work.out.end(), part_outs.begin() + i * per_seq);
+        std::copy(work.maxima.begin(), work.maxima.end(),
+                  part_maxima.begin() + i * shape.num_heads);
+        std::copy(work.sums.begin(), work.sums.end(), part_sums.begin() + i * shape.num_heads);
+      }
+    }
+  });
+  for (int64_t i = 0; i < num_chunks;) {
+    int64_t next = i + 1;
+    while (next < num_chunks && chunks[next].seq == chunks[i].seq) ++next;
+    if (!chunks[i].whole) {
+      merge_chunks(part_outs.data() + i * per_seq, part_maxima.data() + i * shape.num_heads,
+                   part_sums.data() + i * shape.num_heads, next - i, shape,
+                   o + chunks[i].seq * per_seq);
+    }
+    i = next;
+  }
+}
+
 }  // namespace
 
 namespace pagedserve {
@@ -244,7 +296,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
               "paged_decode_attention needs contiguous tensors");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (query.scalar_type() == k_cache.scalar_type() ||
+                   query.scalar_type() == at::kFloat),
+              "paged_decode_attention: the caches must share a dtype, and the query must have "
+              "it or be float32; got ", query.scalar_type(), " query, ", k_cache.scalar_type(),
+              " and ", v_cache.scalar_type(), " caches");
   const Shape shape{query.size(1), k_cache.size(2), query.size(2), k_cache.size(1),
                     block_tables.size(1)};
   TORCH_CHECK(shape.num_heads % shape.num_kv_heads == 0, "heads must divide into KV heads");
@@ -265,49 +322,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   }
   at::Tensor out = at::empty_like(query);
   const std::vector<Chunk> chunks = split_contexts(lens, query.size(0), sliding_window);
-  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
-  const auto dtype = query.scalar_type();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_decode", [&] {
-    const scalar_t* q = query.data_ptr<scalar_t>();
-    const scalar_t* keys = k_cache.data_ptr<scalar_t>();
-    const scalar_t* values = v_cache.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t per_seq = shape.num_heads * shape.head_dim;
-    // Chunks of split contexts: [chunk][head][dim] outputs and [chunk][head] maxima and sums.
-    const bool any_split = std::any_of(chunks.begin(), chunks.end(),
-                                       [](const Chunk& chunk) { return !chunk.whole; });
-    const size_t parts = any_split ? chunks.size() : 0;
-    std::vector<float> part_outs(parts * per_seq), part_maxima(parts * shape.num_heads),
-        part_sums(parts * shape.num_heads);
-    at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
-      Workspace work{std::vector<float>(per_seq), std::vector<float>(per_seq), {},
-                     std::vector<float>(shape.head_dim), std::vector<float>(shape.num_heads),
-                     std::vector<float>(shape.num_heads)};
-      for (int64_t i = begin; i < end; ++i) {
-        const Chunk& chunk = chunks[i];
-        attend_chunk(q + chunk.seq * per_seq, keys, values,
-                     tables + chunk.seq * shape.table_width, chunk, shape,
-                     static_cast<float>(scale), work);
-        if (chunk.whole) {
-          std::transform(work.out.begin(), work.out.end(), o + chunk.seq * per_seq,
-                         [](float x) { return static_cast<scalar_t>(x); });
-        } else {
-          std::copy(work.out.begin(), work.out.end(), part_outs.begin() + i * per_seq);
-          std::copy(work.maxima.begin(), work.maxima.end(),
-                    part_maxima.begin() + i * shape.num_heads);
-          std::copy(work.sums.begin(), work.sums.end(), part_sums.begin() + i * shape.num_heads);
-        }
-      }
-    });
-    for (int64_t i = 0; i < num_chunks;) {
-      int64_t next = i + 1;
-      while (next < num_chunks && chunks[next].seq == chunks[i].seq) ++next;
-      if (!chunks[i].whole) {
-        merge_chunks(part_outs.data() + i * per_seq, part_maxima.data() + i * shape.num_heads,
-                     part_sums.data() + i * shape.num_heads, next - i, shape,
-                     o + chunks[i].seq * per_seq);
-      }
-      i = next;
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "paged_decode", [&] {
+    if (query.scalar_type() == at::kFloat) {
+      attend_all<float, scalar_t>(query, k_cache, v_cache, tables, chunks, shape, scale, out);
+    } else {
+      attend_all<scalar_t, scalar_t>(query, k_cache, v_cache, tables, chunks, shape, scale, out);
     }
   });
   return out;

@@ -13,6 +13,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 
@@ -36,6 +38,42 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t head_dim
   }
 }
 
+// Rotates each token's query heads into `query`, and writes its rotated key heads and its value
+// heads to its cache slot, as cache_t (rounded once, from the float32 results, for a narrower
+// cache).
+template <typename cache_t>
+void rotate_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* slots,
+                      int64_t num_heads, int64_t num_kv_heads, at::Tensor& query) {
+  const int64_t num_tokens = qkv.size(0), head_dim = cos.size(1);
+  const int64_t width = qkv.size(1), kv_row = num_kv_heads * head_dim;
+  const float* rows = qkv.const_data_ptr<float>();
+  const float* cos_data = cos.const_data_ptr<float>();
+  const float* sin_data = sin.const_data_ptr<float>();
+  float* q_data = query.data_ptr<float>();
+  cache_t* k_data = k_cache.data_ptr<cache_t>();
+  cache_t* v_data = v_cache.data_ptr<cache_t>();
+  const int64_t grain = std::max<int64_t>(1, 4096 / width);
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated_keys(std::is_same_v<cache_t, float> ? 0 : kv_row);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = rows + t * width;
+      const float* c = cos_data + t * head_dim;
+      const float* s = sin_data + t * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h)
+        rotate(row + h * head_dim, c, s, head_dim, q_data + (t * num_heads + h) * head_dim);
+      const float* keys = row + num_heads * head_dim;
+      cache_t* key_slot = k_data + slots[t] * kv_row;
+      float* rotated = rotated_keys.data();
+      if constexpr (std::is_same_v<cache_t, float>) rotated = key_slot;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        rotate(keys + h * head_dim, c, s, head_dim, rotated + h * head_dim);
+      if constexpr (!std::is_same_v<cache_t, float>) at::vec::convert(rotated, key_slot, kv_row);
+      at::vec::convert(keys + kv_row, v_data + slots[t] * kv_row, kv_row);
+    }
+  });
+}
+
 }  // namespace
 
 namespace pagedserve {
@@ -54,12 +92,16 @@ at::Tensor rotary_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const 
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == num_tokens,
               "rotary_and_cache: cos and sin must be [", num_tokens, ", ", head_dim, "], got ",
               cos.sizes(), " and ", sin.sizes());
+  const at::ScalarType cache_type = k_cache.scalar_type();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 4 &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kBFloat16 ||
+                   cache_type == at::kHalf) &&
                   k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
-              "rotary_and_cache: caches must be contiguous float32 [blocks, block_size, ",
-              num_kv_heads, ", ", head_dim, "], got ", k_cache.sizes(), " and ", v_cache.sizes());
+              "rotary_and_cache: caches must be contiguous float32, bfloat16 or float16 [blocks, "
+              "block_size, ", num_kv_heads, ", ", head_dim, "], got ", k_cache.sizes(), " ",
+              cache_type, " and ", v_cache.sizes(), " ", v_cache.scalar_type());
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens &&
                   slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "rotary_and_cache: slot_mapping must be int64 of ", num_tokens, " tokens");
@@ -71,28 +113,15 @@ at::Tensor rotary_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const 
   }
 
   at::Tensor query = at::empty({num_tokens, num_heads, head_dim}, qkv.options());
-  const int64_t width = qkv.size(1), kv_row = num_kv_heads * head_dim;
-  const float* rows = qkv.data_ptr<float>();
-  const float* cos_data = cos.data_ptr<float>();
-  const float* sin_data = sin.data_ptr<float>();
-  float* q_data = query.data_ptr<float>();
-  float* k_data = k_cache.data_ptr<float>();
-  float* v_data = v_cache.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 4096 / width);
-  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = rows + t * width;
-      const float* c = cos_data + t * head_dim;
-      const float* s = sin_data + t * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h)
-        rotate(row + h * head_dim, c, s, head_dim, q_data + (t * num_heads + h) * head_dim);
-      const float* keys = row + num_heads * head_dim;
-      float* key_slot = k_data + slots[t] * kv_row;
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        rotate(keys + h * head_dim, c, s, head_dim, key_slot + h * head_dim);
-      std::copy(keys + kv_row, keys + 2 * kv_row, v_data + slots[t] * kv_row);
-    }
-  });
+  const auto run = [&](auto cache_value) {
+    rotate_and_write<decltype(cache_value)>(qkv, cos, sin, k_cache, v_cache, slots, num_heads,
+                                            num_kv_heads, query);
+  };
+  switch (cache_type) {
+    case at::kBFloat16: run(at::BFloat16()); break;
+    case at::kHalf: run(at::Half()); break;
+    default: run(0.0f);
+  }
   return query;
 }
 
