@@ -38,6 +38,12 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t head_dim
   }
 }
 
+// n values, rounded to cache_t.
+template <typename cache_t>
+void store(const float* values, int64_t n, cache_t* out) {
+  std::transform(values, values + n, out, [](float x) { return static_cast<cache_t>(x); });
+}
+
 // Rotates each token's query heads into `query`, and writes its rotated key heads and its value
 // heads to its cache slot, as cache_t (rounded once, from the float32 results, for a narrower
 // cache).
@@ -68,8 +74,8 @@ void rotate_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
       if constexpr (std::is_same_v<cache_t, float>) rotated = key_slot;
       for (int64_t h = 0; h < num_kv_heads; ++h)
         rotate(keys + h * head_dim, c, s, head_dim, rotated + h * head_dim);
-      if constexpr (!std::is_same_v<cache_t, float>) at::vec::convert(rotated, key_slot, kv_row);
-      at::vec::convert(keys + kv_row, v_data + slots[t] * kv_row, kv_row);
+      if constexpr (!std::is_same_v<cache_t, float>) store(rotated, kv_row, key_slot);
+      store(keys + kv_row, kv_row, v_data + slots[t] * kv_row);
     }
   });
 }
