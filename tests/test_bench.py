@@ -458,10 +458,14 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert raw["speed"]["llama_cpp"] is None
     assert "llama.cpp was not measured in this run" in report
     agreements = raw["speed"]["narrow_weights_agreement"]
-    for agreement, dtype in zip(agreements, narrow, strict=True):
-        assert agreement["variant"] == {"packed_weight_dtype": dtype}
+    variants = [{"packed_weight_dtype": dtype} for dtype in narrow]
+    names = [*narrow, "bfloat16 KV cache"]
+    for agreement, variant, name in zip(
+        agreements, [*variants, {"kv_cache_dtype": "bfloat16"}], names, strict=True
+    ):
+        assert agreement["variant"] == variant
         assert (agreement["requests"], agreement["output_tokens"]) == (2, 8)
-        assert f"{dtype}: {agreement['identical']} of 2 identical" in report
+        assert f"{name}: {agreement['identical']} of 2 identical" in report
     continuous, static = (run["steps"] for run in raw["w1"])
     assert f"would give **{static['steps'] / continuous['steps']:.2f}x** static's" in report
     # Two rounds of each policy, taking turns; the tables hold each policy's faster run.
@@ -479,8 +483,10 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     seated_stages = [name for name in raw["stage_seconds"] if "seated" in name or "HTTP" in name]
     assert seated_stages == [
         "W1 all seated 1",
+        "W1 all seated, bfloat16 KV cache 1",
         "W1 over HTTP 1",
         "W1 all seated 2",
+        "W1 all seated, bfloat16 KV cache 2",
         "W1 over HTTP 2",
     ]
     speed = raw["speed"]
@@ -489,6 +495,11 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     seated_durations = [run["duration_s"] for run in speed["w1_all_seated_rounds"]]
     assert speed["w1_all_seated"]["duration_s"] == min(seated_durations)
     assert f"over HTTP {http_rates[0]:.1f}, {http_rates[1]:.1f}." in report
+    narrow_kv = speed["w1_all_seated_bfloat16_kv_rounds"]
+    assert [run["output_tokens"] for run in narrow_kv] == [8632, 8632]
+    narrow_kv_rates = ", ".join(f"{run['output_throughput']:.1f}" for run in narrow_kv)
+    assert f"with a bfloat16 KV cache {narrow_kv_rates};" in report
+    assert "| offline, bfloat16 KV cache (`--kv-cache-dtype bfloat16`) |" in report
     baseline = raw["transformers_baseline"]
     assert [run["batch_size"] for run in baseline] == [2, 1, 2]
     assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report

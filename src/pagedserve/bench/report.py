@@ -170,9 +170,10 @@ def _measure_and_render(
     )
     segments = stages.run("seed timeline", partial(_seed_timelines, engine_args))
     serve = stages.run("bench serve", partial(_serve_run, config, setup, batch))
-    seated_runs, http_runs = _w1_seated_rounds(config, requests, stages)
+    seated_runs, narrow_kv_runs, http_runs = _w1_seated_rounds(config, requests, stages)
     speed = SpeedFigures(
         all_seated_runs=seated_runs,
+        narrow_kv_seated_runs=narrow_kv_runs,
         http_runs=http_runs,
         single_stream=stages.run("single stream", partial(_single_stream_run, config)),
         llama_cpp=stages.run("llama.cpp", partial(_llama_cpp_runs, config, requests)),
@@ -215,24 +216,39 @@ def _measure_and_render(
 
 
 def _w1_run(
-    config: ReportConfig, requests: list[BenchRequest], policy: str, seats: int | None = None
+    config: ReportConfig,
+    requests: list[BenchRequest],
+    policy: str,
+    seats: int | None = None,
+    **engine_args,
 ) -> OfflineRun:
     work = partial(run_engine, requests=requests)
     return with_fresh_llm(
-        config.engine_args, work, max_num_seqs=seats or config.w1_batch_size, scheduler=policy
+        config.engine_args,
+        work,
+        max_num_seqs=seats or config.w1_batch_size,
+        scheduler=policy,
+        **engine_args,
     )
 
 
 def _w1_seated_rounds(
     config: ReportConfig, requests: list[BenchRequest], stages: _Stages
-) -> tuple[list[OfflineRun], list[dict]]:
-    """W1 with every request seated, offline then over HTTP, round after round."""
-    seated, http = [], []
+) -> tuple[list[OfflineRun], list[OfflineRun], list[dict]]:
+    """W1 with every request seated, round after round: offline, offline with a bfloat16 KV
+    cache, then over HTTP."""
+    seated, narrow_kv, http = [], [], []
     offline = partial(_w1_run, config, requests, "continuous", config.w1_all_seated)
     for round_ in range(1, config.w1_seated_rounds + 1):
         seated.append(stages.run(f"W1 all seated {round_}", offline))
+        narrow_kv.append(
+            stages.run(
+                f"W1 all seated, bfloat16 KV cache {round_}",
+                partial(offline, kv_cache_dtype="bfloat16"),
+            )
+        )
         http.append(stages.run(f"W1 over HTTP {round_}", partial(_w1_http_run, config, requests)))
-    return seated, http
+    return seated, narrow_kv, http
 
 
 def _w1_http_run(config: ReportConfig, requests: list[BenchRequest]) -> dict:
@@ -283,13 +299,14 @@ def _llama_cpp_runs(config: ReportConfig, requests: list[BenchRequest]) -> dict 
 
 def _narrow_weights_agreement(config: ReportConfig) -> list[dict]:
     """W1's first requests, outputs capped, greedy from float32 and from each narrower dtype of
-    packed weights."""
+    packed weights, then from a bfloat16 KV cache."""
     requests = [
         BenchRequest(r.prompt_token_ids, min(r.output_len, config.agreement_output_len))
         for r in w1_requests()[: config.agreement_requests]
     ]
     engine_args = {**config.engine_args, "max_num_seqs": config.agreement_requests}
     variants = [{"packed_weight_dtype": dtype} for dtype in NARROW_WEIGHT_DTYPES]
+    variants.append({"kv_cache_dtype": "bfloat16"})
     return greedy_agreement(engine_args, requests, variants)
 
 

@@ -16,6 +16,7 @@ class SpeedFigures:
     # W1 with every request seated, round after round, offline (in process) and through the
     # server, all streamed at once (bench serve summaries with the server's peak RSS).
     all_seated_runs: list[OfflineRun]
+    narrow_kv_seated_runs: list[OfflineRun]  # the same offline, with a bfloat16 KV cache
     http_runs: list[dict]
     # One request alone: ours, transformers, then ours with each narrower dtype of packed weights
     # (run summaries; those carry their packed_weight_dtype).
@@ -24,7 +25,8 @@ class SpeedFigures:
     # single_stream and w1_all_seated; None when llama-cpp-python is not installed or the model
     # is no GGUF file.
     llama_cpp: dict | None
-    # Greedy outputs from float32 against each narrower dtype of packed weights (greedy_agreement).
+    # Greedy outputs from float32 against each narrower dtype of packed weights, then against a
+    # bfloat16 KV cache (greedy_agreement).
     narrow_weights_agreement: list[dict]
     profiles: list[StepProfile]
     long_prompts: list[dict]  # without, then with chunked prefill
@@ -52,6 +54,9 @@ class SpeedFigures:
             "w1_all_seated": self.all_seated.summary(),
             "w1_http": self.http,
             "w1_all_seated_rounds": [run.summary() for run in self.all_seated_runs],
+            "w1_all_seated_bfloat16_kv_rounds": [
+                run.summary() for run in self.narrow_kv_seated_runs
+            ],
             "w1_http_rounds": self.http_runs,
             "single_stream": self.single_stream,
             "llama_cpp": self.llama_cpp,
@@ -244,8 +249,10 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
         "E2E p99 (s)",
         "failed",
     ]
+    narrow_kv = min(figures.narrow_kv_seated_runs, key=lambda run: run.duration_s)
     rows = [
         _w1_row(f"offline (`LLM.generate`, max_num_seqs {figures.all_seated.batch_size})", seated),
+        _w1_row("offline, bfloat16 KV cache (`--kv-cache-dtype bfloat16`)", narrow_kv.summary()),
         _w1_row("over HTTP (`bench serve`, streamed)", http, http["failed"]),
     ]
     if figures.llama_cpp is not None:
@@ -294,15 +301,18 @@ def _seated_rounds_note(figures: SpeedFigures) -> str:
     rounds = len(figures.http_runs)
     if rounds == 1:
         return ""
-    offline = ", ".join(
-        f"{run.summary()['output_throughput']:.1f}" for run in figures.all_seated_runs
-    )
+
+    def throughputs(runs: list[OfflineRun]) -> str:
+        return ", ".join(f"{run.summary()['output_throughput']:.1f}" for run in runs)
+
     http = ", ".join(f"{run['output_throughput']:.1f}" for run in figures.http_runs)
     return (
-        f"Offline and over HTTP each ran W1 {rounds} times, taking turns, and the table shows "
-        "each one's fastest run, so that a busy spell on the shared machine does not decide "
-        f"target 2's ratio. Output tokens/s in the order run: offline {offline}; over HTTP "
-        f"{http}."
+        f"Each row ran W1 {rounds} times, taking turns, and the table shows each one's fastest "
+        "run, so that a busy spell on the shared machine does not decide target 2's ratio. "
+        f"Output tokens/s in the order run: offline {throughputs(figures.all_seated_runs)}; "
+        f"with a bfloat16 KV cache {throughputs(figures.narrow_kv_seated_runs)}; over HTTP "
+        f"{http}. The bfloat16 cache stores each key and value rounded once and holds twice the "
+        "tokens in the same memory; attention still computes in float32."
     )
 
 
@@ -338,7 +348,7 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
         for run in (ours, transformers, *narrow, *peers)
     ]
     agreements = "; ".join(
-        f"{agreement['variant']['packed_weight_dtype']}: {agreement['identical']} of "
+        f"{_variant_name(agreement['variant'])}: {agreement['identical']} of "
         f"{agreement['requests']} identical, {100 * agreement['mean_share_before_divergence']:.0f}%"
         for agreement in figures.narrow_weights_agreement
     )
@@ -361,7 +371,8 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             "reads:",
             markdown_table(header, rows),
             _llama_cpp_note(figures.llama_cpp),
-            "What narrower weights cost in accuracy: greedy outputs of W1's first "
+            "What narrower weights, and a narrower KV cache, cost in accuracy: greedy outputs of "
+            "W1's first "
             f"{first['requests']} requests (at most {config.agreement_output_len} tokens each, "
             f"{first['output_tokens']} in all) from float32 against each, with the number of "
             "identical outputs and the share of an output, on average, that comes before its "
@@ -372,6 +383,13 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             "only in the order of its sums.)",
         ]
     )
+
+
+def _variant_name(variant: dict) -> str:
+    """An agreement variant as the accuracy note names it: a packed dtype, or the KV cache's."""
+    if "kv_cache_dtype" in variant:
+        return f"{variant['kv_cache_dtype']} KV cache"
+    return variant["packed_weight_dtype"]
 
 
 def _llama_cpp_single_stream(llama_cpp: dict) -> dict:
