@@ -353,8 +353,20 @@ def test_decode_step_profile_accounts_for_the_step(checkpoint):
         assert 0 < profile.overhead_share < 1
         assert profile.top_ops_ms and all(ms >= 0 for _, ms in profile.top_ops_ms)
         assert sum(ms for _, ms in profile.top_ops_ms) <= profile.profiled_step_ms
+        assert profile.fewest_running == profile.batch
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_decode_step_profile_times_the_whole_batch_after_long_prompts(checkpoint):
+    """Prompts beyond a step's token budget are computed over several steps, and the first ones
+    done start decoding: they must still be running in every timed step."""
+    from pagedserve.bench.speed import profile_decode_steps
+
+    llm = LLM(str(checkpoint), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8)
+    profile = profile_decode_steps(llm, 4, prompt_len=6, steps=3)
+    assert profile.fewest_running == 4
+    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -30,6 +30,7 @@ class StepProfile:
     phase_ms: dict[str, float]  # per step, from engine.phase_timer
     top_ops_ms: list[tuple[str, float]]  # per step, from torch.profiler (self time)
     profiled_step_ms: float  # per step under the profiler, which adds its own overhead
+    fewest_running: int  # sequences in the emptiest timed step: batch, unless one finished early
 
     @property
     def overhead_share(self) -> float:
@@ -48,14 +49,19 @@ def profile_decode_steps(
     phase timers and `steps` more under torch.profiler."""
     warm_up(llm)
     engine = llm.engine
-    requests = fixed_requests(batch, prompt_len, output_len=2 * steps + 2)
+    # Prompts beyond one step's token budget take several steps, and the first ones computed
+    # decode meanwhile: their outputs are long enough to last through every timed step.
+    prompt_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens) + 1
+    requests = fixed_requests(batch, prompt_len, output_len=2 * steps + 2 + prompt_steps)
     _submit(engine, requests)
     while engine.scheduler.waiting or _prefilling(engine):
         engine.step()
     timer = engine.phase_timer
     before = dict(timer.seconds)
+    fewest_running = len(engine.scheduler.running)
     started = time.perf_counter()
     for _ in range(steps):
+        fewest_running = min(fewest_running, len(engine.scheduler.running))
         engine.step()
     step_ms = 1000 * (time.perf_counter() - started) / steps
     phase_ms = {
@@ -65,6 +71,7 @@ def profile_decode_steps(
     with profile(activities=_profiler_activities(engine)) as profiler:
         started = time.perf_counter()
         for _ in range(steps):
+            fewest_running = min(fewest_running, len(engine.scheduler.running))
             engine.step()
         profiled_step_ms = 1000 * (time.perf_counter() - started) / steps
     while engine.has_unfinished_requests():
@@ -76,6 +83,7 @@ def profile_decode_steps(
         phase_ms,
         _top_ops(profiler, engine, steps, top),
         profiled_step_ms,
+        fewest_running,
     )
 
 
