@@ -151,8 +151,7 @@ class DecoderModel(nn.Module):
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         config = self.config
-        element_size = torch.empty(0, dtype=dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
 
     def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copies whole KV blocks in every layer (copy on write of blocks shared by samples)."""
