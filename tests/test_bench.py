@@ -437,6 +437,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         serve_dataset=DatasetSpec("random", 4, (4, 8), (2, 4)),
         serve_rate=50.0,
         single_stream=(8, 8),
+        single_stream_rounds=2,
         agreement_requests=2,
         agreement_output_len=4,
         profile_batches=(1, 4),
@@ -466,6 +467,15 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     narrow_runs = [f"ours, {dtype} packed weights" for dtype in narrow]
     assert [run["name"] for run in alone] == ["ours", "transformers", *narrow_runs]
     assert [run["output_tokens"] for run in alone] == [8] * 5
+    # Two rounds, the engines taking turns; each keeps its faster run.
+    assert [name for name in raw["stage_seconds"] if "single" in name] == [
+        "single stream 1",
+        "single stream 2",
+    ]
+    for run in alone:
+        rates = run["round_output_throughputs"]
+        assert len(rates) == 2 and run["output_throughput"] == max(rates)
+        assert f"{run['name']} {rates[0]:.1f}, {rates[1]:.1f}" in report
     # The checkpoint is no GGUF file, so llama.cpp has nothing to run.
     assert raw["speed"]["llama_cpp"] is None
     assert "llama.cpp was not measured in this run" in report

@@ -74,6 +74,10 @@ class ReportConfig:
     # fastest run, as the policies are.
     w1_seated_rounds: int = 2
     single_stream: tuple[int, int] = (32, 128)  # prompt and output tokens
+    # Each engine runs the single-stream request this many times (ours and transformers taking
+    # turns) and is judged by its fastest run: a run takes seconds, so one busy spell on the
+    # shared machine could otherwise set a figure alone.
+    single_stream_rounds: int = 3
     # float32 against narrower packed weights: W1's first requests, outputs capped at
     # this length.
     agreement_requests: int = 16
@@ -175,7 +179,7 @@ def _measure_and_render(
         all_seated_runs=seated_runs,
         narrow_kv_seated_runs=narrow_kv_runs,
         http_runs=http_runs,
-        single_stream=stages.run("single stream", partial(_single_stream_run, config)),
+        single_stream=_single_stream_rounds(config, stages),
         llama_cpp=stages.run("llama.cpp", partial(_llama_cpp_runs, config, requests)),
         narrow_weights_agreement=stages.run(
             "narrow weights agreement", partial(_narrow_weights_agreement, config)
@@ -261,7 +265,17 @@ def _w1_http_run(config: ReportConfig, requests: list[BenchRequest]) -> dict:
     return summary
 
 
-def _single_stream_run(config: ReportConfig) -> list[dict]:
+def _single_stream_rounds(config: ReportConfig, stages: _Stages) -> list[dict]:
+    """The single-stream request through each engine, round after round: each one's fastest
+    run, in the order of a round."""
+    rounds = [
+        stages.run(f"single stream {round_}", partial(_single_stream_round, config))
+        for round_ in range(1, config.single_stream_rounds + 1)
+    ]
+    return [sections.fastest_of_rounds(list(runs)) for runs in zip(*rounds, strict=True)]
+
+
+def _single_stream_round(config: ReportConfig) -> list[dict]:
     """One request alone through our engine, through transformers' generate, then through our
     engine with each narrower dtype of packed weights."""
     prompt_len, output_len = config.single_stream
@@ -287,12 +301,18 @@ def _llama_cpp_runs(config: ReportConfig, requests: list[BenchRequest]) -> dict 
     if gguf_path is None or not llama_cpp_installed():
         return None
     threads = torch.get_num_threads()
-    alone = run_llama_cpp(fixed_requests(1, *config.single_stream)[0], gguf_path, threads)
+    request = fixed_requests(1, *config.single_stream)[0]
+    alone = sections.fastest_of_rounds(
+        [
+            run_llama_cpp(request, gguf_path, threads).summary()
+            for _ in range(config.single_stream_rounds)
+        ]
+    )
     batched = run_llama_cpp_batched(requests, gguf_path, threads)
     return {
         "gguf": gguf_path.name,
         "step_bytes": gguf_weight_bytes(gguf_path),
-        "single_stream": alone.summary(),
+        "single_stream": alone,
         "w1_all_seated": batched.summary(),
     }
 

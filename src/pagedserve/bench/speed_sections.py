@@ -381,6 +381,7 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             "logits' weights in Q8_0 (8.5 bits). Each run's bandwidth bound counts the bytes it "
             "reads:",
             markdown_table(header, rows),
+            _rounds_note(config.single_stream_rounds, [ours, transformers, *narrow, *peers]),
             _llama_cpp_note(figures.llama_cpp),
             "What narrower weights, and a narrower KV cache, cost in accuracy: greedy outputs of "
             "W1's first "
@@ -393,6 +394,18 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             "to float32 on loading: q4_1 holds those weights exactly, so it differs from float32 "
             "only in the order of its sums.)",
         ]
+    )
+
+
+def _rounds_note(rounds: int, runs: list[dict]) -> str:
+    rates = "; ".join(
+        f"{run['name']} " + ", ".join(f"{rate:.1f}" for rate in run["round_output_throughputs"])
+        for run in runs
+    )
+    return (
+        f"Each ran the request {rounds} times (ours and transformers taking turns, llama.cpp in "
+        "its own stage), and the table shows each one's fastest run. Output tokens/s of every "
+        f"run, whole request, in the order run: {rates}."
     )
 
 
