@@ -458,6 +458,15 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     targets = report.split("## Engine speed targets")[1].split("###")[0]
     assert targets.count("\n| ") == 1 + 10  # the header and one row per target
     raw = json.loads((tmp_path / "plots" / "results.json").read_text())
+    # The ceilings are measured first and again last; the higher of each rate counts.
+    stage_names = list(raw["stage_seconds"])
+    assert (stage_names[0], stage_names[-1]) == ("ceilings", "ceilings again")
+    ceilings, measured = raw["ceilings"], raw["ceilings"]["measurements"]
+    assert len(measured) == 2
+    flops = [m["matmul_gflops"]["float32"] for m in measured]
+    assert ceilings["matmul_gflops"]["float32"] == max(flops)
+    assert ceilings["bandwidth_gbs"] == max(m["bandwidth_gbs"] for m in measured)
+    assert f"(float32 matmul {flops[0]:.1f} then {flops[1]:.1f} GFLOP/s;" in report
     assert raw["speed"]["w1_http"]["failed"] == 0
     assert raw["speed"]["w1_http"]["total_output_tokens"] == 8632
     assert raw["speed"]["w1_all_seated"]["output_tokens"] == 8632

@@ -28,9 +28,30 @@ class Ceilings:
     threads: int  # torch's intra-op threads while these were measured
     # Mean microseconds of a decode-sized product, by thread count (CPU only).
     small_product_us: dict[int, float] = field(default_factory=dict)
+    # The rates of each measurement these are the best of (see best_of), in the order measured.
+    measurements: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @staticmethod
+    def best_of(measured: list[Ceilings]) -> Ceilings:
+        """The highest of each rate over measurements of one machine at different times: a busy
+        spell on a shared machine only slows a measurement down. The decode-sized product's
+        times are the first measurement's."""
+        first = measured[0]
+        return Ceilings(
+            matmul_gflops={
+                name: max(c.matmul_gflops[name] for c in measured) for name in first.matmul_gflops
+            },
+            bandwidth_gbs=max(c.bandwidth_gbs for c in measured),
+            threads=first.threads,
+            small_product_us=first.small_product_us,
+            measurements=[
+                {"matmul_gflops": c.matmul_gflops, "bandwidth_gbs": c.bandwidth_gbs}
+                for c in measured
+            ],
+        )
 
 
 @dataclass

@@ -116,8 +116,8 @@ def ceilings(context: Context, batch: int) -> str:
     ]
     return f"""## The machine's ceilings
 
-Measured in the same run, best of several repeats. A decode step reads every weight once and
-multiplies each by every token of the batch, so tokens/s can exceed neither
+Measured in the same run, best of several repeats{_measured_twice(c)}. A decode step reads every
+weight once and multiplies each by every token of the batch, so tokens/s can exceed neither
 `FLOP/s / FLOPs per token` nor `batch x bandwidth / weight bytes`; attention over the context is
 left out (a few percent of the work at these lengths). Every throughput below is also given as a
 fraction of the ideal at its batch size, prompt and output tokens alike.
@@ -128,6 +128,18 @@ fraction of the ideal at its batch size, prompt and output tokens alike.
 
 {_threads_note(c)}
 """
+
+
+def _measured_twice(c: Ceilings) -> str:
+    """How the rates came from several measurements, when they did."""
+    if len(c.measurements) < 2:
+        return ""
+    flops = " then ".join(f"{m['matmul_gflops']['float32']:.1f}" for m in c.measurements)
+    bandwidth = " then ".join(f"{m['bandwidth_gbs']:.1f}" for m in c.measurements)
+    return (
+        ", at the start of the run and again at its end, and the higher of the two counts "
+        f"(float32 matmul {flops} GFLOP/s; read bandwidth {bandwidth} GB/s)"
+    )
 
 
 def _dtype_note(context: Context, flops: dict[str, float]) -> str:
