@@ -312,18 +312,18 @@ def _seated_rounds_note(figures: SpeedFigures) -> str:
     rounds = len(figures.http_runs)
     if rounds == 1:
         return ""
-
-    def throughputs(runs: list[OfflineRun]) -> str:
-        return ", ".join(f"{run.summary()['output_throughput']:.1f}" for run in runs)
-
-    http = ", ".join(f"{run['output_throughput']:.1f}" for run in figures.http_runs)
+    offline, narrow_kv = (
+        _rates([run.summary()["output_throughput"] for run in runs])
+        for runs in (figures.all_seated_runs, figures.narrow_kv_seated_runs)
+    )
+    http = _rates([run["output_throughput"] for run in figures.http_runs])
     return (
         f"Each row ran W1 {rounds} times, taking turns, and the table shows each one's fastest "
         "run, so that a busy spell on the shared machine does not decide target 2's ratio. "
-        f"Output tokens/s in the order run: offline {throughputs(figures.all_seated_runs)}; "
-        f"with a bfloat16 KV cache {throughputs(figures.narrow_kv_seated_runs)}; over HTTP "
-        f"{http}. The bfloat16 cache stores each key and value rounded once and holds twice the "
-        "tokens in the same memory; attention still computes in float32."
+        f"Output tokens/s in the order run: offline {offline}; with a bfloat16 KV cache "
+        f"{narrow_kv}; over HTTP {http}. The bfloat16 cache stores each key and value rounded "
+        "once and holds twice the tokens in the same memory; attention still computes in "
+        "float32."
     )
 
 
@@ -398,15 +398,17 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
 
 
 def _rounds_note(rounds: int, runs: list[dict]) -> str:
-    rates = "; ".join(
-        f"{run['name']} " + ", ".join(f"{rate:.1f}" for rate in run["round_output_throughputs"])
-        for run in runs
-    )
+    rates = "; ".join(f"{run['name']} {_rates(run['round_output_throughputs'])}" for run in runs)
     return (
         f"Each ran the request {rounds} times (ours and transformers taking turns, llama.cpp in "
         "its own stage), and the table shows each one's fastest run. Output tokens/s of every "
         f"run, whole request, in the order run: {rates}."
     )
+
+
+def _rates(values: list[float]) -> str:
+    """Tokens/s figures, in the order given, as the notes list them."""
+    return ", ".join(f"{value:.1f}" for value in values)
 
 
 def _variant_name(variant: dict) -> str:
