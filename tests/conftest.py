@@ -77,20 +77,45 @@ def tiny_checkpoint(tmp_path_factory, default_model_dir):
     return make
 
 
+def rounded_to_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales): x's last dimension in groups of 32, each rounded as q4_1_q8 rounds a
+    linear map's inputs, in float32 as its kernel computes: scale = largest magnitude / 127,
+    value = round-half-even(x * (127 / largest magnitude)); x ~ scale * value. Values are
+    [..., groups, 32], scales [..., groups, 1]."""
+    groups = x.reshape(*x.shape[:-1], -1, 32)
+    largest = groups.abs().amax(dim=-1, keepdim=True)
+    return (groups * torch.where(largest > 0, 127 / largest, 0.0)).round(), largest / 127
+
+
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate for one prompt alone, end-of-sequence ignored."""
+    return _greedy_generate(model, prompt, max_new_tokens)[0, len(prompt) :].tolist()
+
+
+def reference_greedy_with_margins(
+    model, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """reference_greedy's tokens, and at each step the gap between the top two logits."""
+    out = _greedy_generate(
+        model, prompt, max_new_tokens, output_logits=True, return_dict_in_generate=True
+    )
+    top_two = [logits[0].topk(2).values for logits in out.logits]
+    return out.sequences[0, len(prompt) :].tolist(), [float(a - b) for a, b in top_two]
+
+
+def _greedy_generate(model, prompt: list[int], max_new_tokens: int, **options):
     model.generation_config.eos_token_id = None
     input_ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(
+        return model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
+            **options,
         )
-    return out[0, len(prompt) :].tolist()
 
 
 class ServerProcess(LocalServer):

@@ -472,10 +472,10 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert raw["speed"]["w1_all_seated"]["output_tokens"] == 8632
     assert [p["batch"] for p in raw["speed"]["step_profiles"]] == [1, 4]
     alone = raw["speed"]["single_stream"]
-    narrow = ("bfloat16", "int8", "q4_1")
+    narrow = ("bfloat16", "int8", "q4_1", "q4_1_q8")
     narrow_runs = [f"ours, {dtype} packed weights" for dtype in narrow]
     assert [run["name"] for run in alone] == ["ours", "transformers", *narrow_runs]
-    assert [run["output_tokens"] for run in alone] == [8] * 5
+    assert [run["output_tokens"] for run in alone] == [8] * 6
     # Two rounds, the engines taking turns; each keeps its faster run.
     assert [name for name in raw["stage_seconds"] if "single" in name] == [
         "single stream 1",
@@ -515,9 +515,11 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert seated_stages == [
         "W1 all seated 1",
         "W1 all seated, bfloat16 KV cache 1",
+        "W1 all seated, q4_1_q8 weights 1",
         "W1 over HTTP 1",
         "W1 all seated 2",
         "W1 all seated, bfloat16 KV cache 2",
+        "W1 all seated, q4_1_q8 weights 2",
         "W1 over HTTP 2",
     ]
     speed = raw["speed"]
@@ -531,6 +533,11 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     narrow_kv_rates = ", ".join(f"{run['output_throughput']:.1f}" for run in narrow_kv)
     assert f"with a bfloat16 KV cache {narrow_kv_rates};" in report
     assert "| offline, bfloat16 KV cache (`--kv-cache-dtype bfloat16`) |" in report
+    q4_1_q8 = speed["w1_all_seated_q4_1_q8_rounds"]
+    assert [run["output_tokens"] for run in q4_1_q8] == [8632, 8632]
+    q4_1_q8_rates = ", ".join(f"{run['output_throughput']:.1f}" for run in q4_1_q8)
+    assert f"with q4_1_q8 weights {q4_1_q8_rates};" in report
+    assert "arithmetic (`--packed-weight-dtype q4_1_q8`) |" in report
     baseline = raw["transformers_baseline"]
     assert [run["batch_size"] for run in baseline] == [2, 1, 2]
     assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report

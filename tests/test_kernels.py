@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rounded_to_q8
 
 from pagedserve.model.kernels import cpu_kernels_available
 from pagedserve.model.layers import RotaryEmbedding
@@ -137,8 +138,8 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
         scale = torch.rand(out_features, generator=generator) / 64
         weight = values.double() * scale.double()[:, None]
         return pack.pack_linear_weight(values.to(torch.int8)), scale, weight
-    if weight_dtype in ("q4_1", "q8_0"):
-        low, high = (0, 16) if weight_dtype == "q4_1" else (-127, 128)
+    if weight_dtype in ("q4_1", "q4_1_q8", "q8_0"):
+        low, high = (-127, 128) if weight_dtype == "q8_0" else (0, 16)
         values = torch.randint(low, high, (out_features, in_features), generator=generator)
         groups = (out_features, in_features // 32)
         scales = (torch.rand(groups, generator=generator) / 16).half()
@@ -148,7 +149,8 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
         else:
             minima = (torch.randn(groups, generator=generator) / 4).half()
             weight += minima.double()[..., None]
-            packed = pack.pack_q4_1(values.to(torch.uint8), scales, minima)
+            pack_q4_1 = getattr(pack, f"pack_{weight_dtype}")
+            packed = pack_q4_1(values.to(torch.uint8), scales, minima)
         return packed, None, weight.view(out_features, in_features)
     weight = torch.randn(out_features, in_features, generator=generator).to(weight_dtype)
     return pack.pack_linear_weight(weight), None, weight.double()
@@ -193,7 +195,32 @@ def test_packed_linear_matches_plain_product(
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("weight_dtype", _DTYPES + _BLOCK_DTYPES)
+@pytest.mark.parametrize(("rows", "in_features", "out_features", "with_bias"), _SHAPES)
+def test_q4_1_q8_product_is_the_dequantized_product_of_rounded_inputs(
+    rows, in_features, out_features, with_bias
+):
+    """q4_1_q8 rounds each group of 32 inputs to 8-bit values with a float32 scale and computes
+    the dot products with the 4-bit values in integers, exactly: the reference multiplies the
+    weights the blocks stand for by the inputs so rounded, in float64. An all-zero group (scale
+    0) is among them."""
+    assert cpu_kernels_available()
+    generator = torch.Generator().manual_seed(0)
+    packed, _, weight = _packed_weights(out_features, in_features, "q4_1_q8", generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    x[0, :32] = 0
+
+    out = torch.ops.pagedserve.packed_linear(x, packed, out_features, bias)
+
+    bias_term = bias.double() if with_bias else 0
+    values, scales = rounded_to_q8(x)
+    expected = (values.double() * scales.double()).view(x.shape) @ weight.T + bias_term
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+    unrounded = x.double() @ weight.T + bias_term  # what q4_1 computes: the rounding shows
+    assert not torch.allclose(out.double(), unrounded, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", [*_DTYPES, *_BLOCK_DTYPES, "q4_1_q8"])
 def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
     """Tiles of different heights and widths sum every output in the same order, so a sequence's
     logits are the same bits whatever else shares its step."""
@@ -257,6 +284,32 @@ def test_block_packing_rejects_mismatched_inputs():
         linear(torch.zeros(2, 96), packed, 40, None)
     with pytest.raises(RuntimeError, match="is not a pack_linear_weight, pack_q4_1 or pack_q8_0"):
         linear(torch.zeros(2, 64), packed.view(-1), 40, None)
+    with pytest.raises(RuntimeError, match="scale is required for int8 panels and only for them"):
+        linear(torch.zeros(2, 64), packed, 40, None, torch.ones(40))
+
+
+def test_q4_1_q8_packing_rejects_mismatched_inputs():
+    assert cpu_kernels_available()
+    pack, linear = torch.ops.pagedserve, torch.ops.pagedserve.packed_linear
+    scales = torch.ones(40, 2, dtype=torch.float16)
+    values = torch.zeros(40, 64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="values must be 0-15"):
+        pack.pack_q4_1_q8(values + 16, scales, scales)
+    with pytest.raises(RuntimeError, match="48 input features are not whole groups of 32"):
+        pack.pack_q4_1_q8(values[:, :48], scales[:, :1], scales[:, :1])
+    with pytest.raises(RuntimeError, match=r"must be float16 of shape \[40, 2\]"):
+        pack.pack_q4_1_q8(values, scales, scales.float())
+    with pytest.raises(RuntimeError, match="values must be a 2-D uint8 tensor"):
+        pack.pack_q4_1_q8(values.to(torch.int8), scales, scales)
+    packed = pack.pack_q4_1_q8(values, scales, scales)
+    with pytest.raises(RuntimeError, match="is not a pack_q4_1_q8 result for 96 input features"):
+        linear(torch.zeros(2, 96), packed, 40, None)
+    with pytest.raises(RuntimeError, match="out_features 70 does not fit 2 strips of 32"):
+        linear(torch.zeros(2, 64), packed, 70, None)
+    with pytest.raises(RuntimeError, match="out_features 20 does not fit 2 strips of 32"):
+        linear(torch.zeros(2, 64), packed, 20, None)
+    with pytest.raises(RuntimeError, match="bias must be float32 of 40 features"):
+        linear(torch.zeros(2, 64), packed, 40, torch.zeros(39))
     with pytest.raises(RuntimeError, match="scale is required for int8 panels and only for them"):
         linear(torch.zeros(2, 64), packed, 40, None, torch.ones(40))
 

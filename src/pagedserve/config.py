@@ -8,7 +8,7 @@ from dataclasses import dataclass
 SCHEDULER_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES  # auto: the model's dtype
-PACKED_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "q4_1")
+PACKED_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "q4_1", "q4_1_q8")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -34,10 +34,11 @@ class EngineConfig:
     # Float32 on CPU: linear weights reordered once into panels for the C++ product, and C++
     # RMSNorm, SwiGLU and rotation with the cache write (pagedserve.model.kernels).
     cpu_kernels: bool = True
-    # What those packed weights are stored as; the arithmetic stays float32. bfloat16 halves the
-    # bytes each decode step reads, and rounds the weights; int8 quarters them, each output
-    # feature quantized with its own scale; q4_1 (llama.cpp's format, 5 bits a weight) holds a
-    # Q4_1 GGUF's weights exactly, with Q8_0 logits.
+    # What those packed weights are stored as; the arithmetic stays float32 but for q4_1_q8.
+    # bfloat16 halves the bytes each decode step reads, and rounds the weights; int8 quarters
+    # them, each output feature quantized with its own scale; q4_1 (llama.cpp's format, 5 bits a
+    # weight) holds a Q4_1 GGUF's weights exactly, with Q8_0 logits; q4_1_q8 stores the same and
+    # computes as llama.cpp does, in integers against inputs rounded to 8 bits (AVX2 CPUs).
     packed_weight_dtype: str = "float32"
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True

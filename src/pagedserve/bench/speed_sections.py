@@ -17,6 +17,7 @@ class SpeedFigures:
     # server, all streamed at once (bench serve summaries with the server's peak RSS).
     all_seated_runs: list[OfflineRun]
     narrow_kv_seated_runs: list[OfflineRun]  # the same offline, with a bfloat16 KV cache
+    q4_1_q8_seated_runs: list[OfflineRun]  # and with q4_1_q8 packed weights
     http_runs: list[dict]
     # One request alone: ours, transformers, then ours with each narrower dtype of packed weights
     # (run summaries; those carry their packed_weight_dtype).
@@ -44,6 +45,11 @@ class SpeedFigures:
         return _shortest(self.narrow_kv_seated_runs)
 
     @property
+    def q4_1_q8_seated(self) -> OfflineRun:
+        """The fastest offline round with q4_1_q8 packed weights."""
+        return _shortest(self.q4_1_q8_seated_runs)
+
+    @property
     def http(self) -> dict:
         """The fastest round over HTTP."""
         return fastest(self.http_runs)
@@ -62,6 +68,7 @@ class SpeedFigures:
             "w1_all_seated_bfloat16_kv_rounds": [
                 run.summary() for run in self.narrow_kv_seated_runs
             ],
+            "w1_all_seated_q4_1_q8_rounds": [run.summary() for run in self.q4_1_q8_seated_runs],
             "w1_http_rounds": self.http_runs,
             "single_stream": self.single_stream,
             "llama_cpp": self.llama_cpp,
@@ -264,6 +271,10 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
             "offline, bfloat16 KV cache (`--kv-cache-dtype bfloat16`)",
             figures.narrow_kv_seated.summary(),
         ),
+        _w1_row(
+            "offline, llama.cpp's Q4_1 weights and arithmetic (`--packed-weight-dtype q4_1_q8`)",
+            figures.q4_1_q8_seated.summary(),
+        ),
         _w1_row("over HTTP (`bench serve`, streamed)", http, http["failed"]),
     ]
     if figures.llama_cpp is not None:
@@ -312,18 +323,25 @@ def _seated_rounds_note(figures: SpeedFigures) -> str:
     rounds = len(figures.http_runs)
     if rounds == 1:
         return ""
-    offline, narrow_kv = (
+    offline, narrow_kv, q4_1_q8 = (
         _rates([run.summary()["output_throughput"] for run in runs])
-        for runs in (figures.all_seated_runs, figures.narrow_kv_seated_runs)
+        for runs in (
+            figures.all_seated_runs,
+            figures.narrow_kv_seated_runs,
+            figures.q4_1_q8_seated_runs,
+        )
     )
     http = _rates([run["output_throughput"] for run in figures.http_runs])
     return (
         f"Each row ran W1 {rounds} times, taking turns, and the table shows each one's fastest "
         "run, so that a busy spell on the shared machine does not decide target 2's ratio. "
         f"Output tokens/s in the order run: offline {offline}; with a bfloat16 KV cache "
-        f"{narrow_kv}; over HTTP {http}. The bfloat16 cache stores each key and value rounded "
-        "once and holds twice the tokens in the same memory; attention still computes in "
-        "float32."
+        f"{narrow_kv}; with q4_1_q8 weights {q4_1_q8}; over HTTP {http}. The bfloat16 cache "
+        "stores each key and value rounded once and holds twice the tokens in the same memory; "
+        "attention still computes in float32. q4_1_q8 holds the weights llama.cpp's row reads "
+        "(the GGUF's Q4_1 linear maps and Q8_0 logits) and computes its linear maps as llama.cpp "
+        "does, each input rounded to 8 bits per group of 32 and the products summed in "
+        "integers; its logits stay float32 arithmetic."
     )
 
 
@@ -375,11 +393,12 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             f"measured {context.ceilings.bandwidth_gbs:.1f} GB/s). The same request through "
             "transformers' `generate` in the same run, timed whole (prompt included), beside "
             "ours timed the same way, and ours with the linear weights packed narrower "
-            "(`--packed-weight-dtype`; float32 arithmetic in every case): bfloat16 rounds the "
+            "(`--packed-weight-dtype`; float32 arithmetic but for q4_1_q8): bfloat16 rounds the "
             "weights and halves the bytes per step, int8 quantizes each output feature with its "
             "own scale and quarters them, q4_1 stores llama.cpp's Q4_1 (5 bits a weight) with the "
-            "logits' weights in Q8_0 (8.5 bits). Each run's bandwidth bound counts the bytes it "
-            "reads:",
+            "logits' weights in Q8_0 (8.5 bits), and q4_1_q8 stores the same and computes the "
+            "Q4_1 maps as llama.cpp does, in integers against inputs rounded to 8 bits. Each "
+            "run's bandwidth bound counts the bytes it reads:",
             markdown_table(header, rows),
             _rounds_note(config.single_stream_rounds, [ours, transformers, *narrow, *peers]),
             _llama_cpp_note(figures.llama_cpp),
@@ -392,7 +411,8 @@ def _single_stream(context: Context, figures: SpeedFigures, config) -> str:
             "rounds each weight to a step of 1/127 of its row's largest magnitude. The default "
             "model's GGUF stores its linear maps as Q4_1 and its embeddings as Q8_0, dequantized "
             "to float32 on loading: q4_1 holds those weights exactly, so it differs from float32 "
-            "only in the order of its sums.)",
+            "only in the order of its sums; q4_1_q8 also rounds each linear map's inputs to a "
+            "step of 1/127 of their group's largest magnitude.)",
         ]
     )
 

@@ -23,6 +23,7 @@ _SOURCES = [
     for name in (
         "paged_decode.cpp",
         "packed_linear.cpp",
+        "q4_1_q8_linear.cpp",
         "norm_activation.cpp",
         "rotary_cache.cpp",
         "decode_layers.cpp",
@@ -41,10 +42,11 @@ _X86_FLAGS = ["-mfma", "-mf16c"]
 
 @functools.cache
 def cpu_kernels_available() -> bool:
-    """Registers torch.ops.pagedserve.paged_decode_attention, pack_linear_weight, packed_linear,
-    rms_norm, add_rms_norm_, silu_and_mul, rotary_and_cache, decode_layers and row_argmax,
-    building them if needed. False (with a warning) when they cannot be built here, in which
-    case the model runs on torch's own operators."""
+    """Registers torch.ops.pagedserve.paged_decode_attention, pack_linear_weight, pack_q4_1,
+    pack_q4_1_q8, pack_q8_0, packed_linear, rms_norm, add_rms_norm_, silu_and_mul,
+    rotary_and_cache, decode_layers and row_argmax, building them if needed. False (with a
+    warning) when they cannot be built here, in which case the model runs on torch's own
+    operators."""
     _put_ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()
     vector_flags = [*_VECTOR_FLAGS[capability], *_X86_FLAGS] if capability in _VECTOR_FLAGS else []

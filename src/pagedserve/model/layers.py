@@ -24,7 +24,8 @@ class PackedWeight:
     streams (csrc/packed_linear.cpp). The panels hold float32 or bfloat16 weights, int8 values
     with a float32 scale per output feature, or llama.cpp's Q4_1 or Q8_0 blocks (4-bit or 8-bit
     values in groups of 32 inputs, each with a float16 scale, and for Q4_1 a minimum); the
-    arithmetic is float32 in every case."""
+    arithmetic is float32 in every case but q4_1_q8's, whose Q4_1 blocks are computed in integers
+    against inputs rounded to 8 bits."""
 
     panels: torch.Tensor
     out_features: int
@@ -33,10 +34,11 @@ class PackedWeight:
     @classmethod
     def pack(cls, weight: torch.Tensor, dtype: str) -> PackedWeight:
         """dtype: float32, bfloat16 (weights rounded), int8 (each output feature quantized
-        symmetrically), q4_1 or q8_0 (see pagedserve.model.quantization)."""
+        symmetrically), q4_1 or q8_0 (see pagedserve.model.quantization), or q4_1_q8 (Q4_1, as
+        csrc/q4_1_q8_linear.cpp computes it)."""
         weight = weight.detach().float()
-        if dtype == "q4_1":
-            panels = torch.ops.pagedserve.pack_q4_1(*quantize_q4_1(weight))
+        if dtype in ("q4_1", "q4_1_q8"):
+            panels = getattr(torch.ops.pagedserve, f"pack_{dtype}")(*quantize_q4_1(weight))
             return cls(panels, weight.shape[0], None)
         if dtype == "q8_0":
             panels = torch.ops.pagedserve.pack_q8_0(*quantize_q8_0(weight))

@@ -25,6 +25,13 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
                          int64_t out_features, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scale);
 
+// q4_1_q8_linear.cpp: packed_linear's product for pack_q4_1_q8 results (input checked by it)
+at::Tensor pack_q4_1_q8(const at::Tensor& values, const at::Tensor& scales,
+                        const at::Tensor& minima);
+bool is_q4_1_q8(const at::Tensor& packed_weight);  // a pack_q4_1_q8 result, by its block size
+at::Tensor q4_1_q8_linear(const at::Tensor& input, const at::Tensor& packed_weight,
+                          int64_t out_features, const std::optional<at::Tensor>& bias);
+
 // rotary_cache.cpp
 at::Tensor rotary_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                             at::Tensor& k_cache, at::Tensor& v_cache,

@@ -11,6 +11,7 @@
 // (weight = scale * value), or llama.cpp's Q4_1 or Q8_0 blocks (see BlockPanels). The arithmetic
 // is float32 whatever they hold, so bfloat16 halves, int8 quarters and Q4_1 cuts to 5/32 the
 // bytes a decode step reads, on CPUs with no bfloat16 or int8 arithmetic too.
+// pack_q4_1_q8's blocks are computed in integers instead, by q4_1_q8_linear.cpp.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -566,6 +567,11 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat,
               "packed_linear: input must be a 2-D float32 tensor, got ", input.sizes(), " ",
               input.scalar_type());
+  if (is_q4_1_q8(packed_weight)) {
+    TORCH_CHECK(!scale.has_value(), "packed_linear: scale is required for int8 panels and only ",
+                "for them");
+    return q4_1_q8_linear(input, packed_weight, out_features, bias);
+  }
   const int64_t num_rows = input.size(0), in_features = input.size(1);
   const at::ScalarType type = packed_weight.scalar_type();
   const bool blocks = type == at::kByte;  // Q4_1 or Q8_0, told apart by their block size
