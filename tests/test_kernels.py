@@ -3,12 +3,17 @@ from packed weights, RMSNorm, SwiGLU, the rotation with the cache write, and arg
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import rounded_to_q8
 
-from pagedserve.model.kernels import cpu_kernels_available
+from pagedserve.model.kernels import build_directory_of, cpu_kernels_available
 from pagedserve.model.layers import RotaryEmbedding
 
 
@@ -463,3 +468,19 @@ def test_decode_layers_rejects_a_wrong_weight_list():
         call([torch.ones(8)] * 3)
     with pytest.raises(RuntimeError, match="weights\\[0\\] must be a tensor"):
         call([None] * 28)
+
+
+def test_kernels_load_past_the_lock_of_an_interrupted_build(tmp_path):
+    """A build killed midway (Ctrl-C on the first start) leaves torch's `lock` file behind, on
+    which torch's loader waits forever: a new process loads the kernels anyway and removes it."""
+    assert cpu_kernels_available()
+    from torch.utils import cpp_extension
+
+    built = build_directory_of(cpp_extension)
+    copy = tmp_path / built.name
+    shutil.copytree(built, copy)  # built already: loading it again needs no compiler
+    (copy / "lock").touch()
+    load = "from pagedserve.model.kernels import cpu_kernels_available as a; assert a()"
+    environment = os.environ | {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", load], env=environment, check=True, timeout=300)
+    assert not (copy / "lock").exists()

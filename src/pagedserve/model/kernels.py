@@ -6,12 +6,15 @@ machine pays the build (about 25 s here)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import shutil
 import subprocess
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -54,17 +57,43 @@ def cpu_kernels_available() -> bool:
     try:
         from torch.utils import cpp_extension  # imports setuptools, only needed here
 
-        cpp_extension.load(
-            name="pagedserve_kernels",
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=["-O3", "-fopenmp", *vector_flags],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        build_directory = build_directory_of(cpp_extension)
+        with _build_lock(build_directory):
+            cpp_extension.load(
+                name="pagedserve_kernels",
+                sources=[str(source) for source in _SOURCES],
+                extra_cflags=["-O3", "-fopenmp", *vector_flags],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_directory),
+                is_python_module=False,
+            )
     except (ImportError, OSError, RuntimeError, subprocess.CalledProcessError) as error:
         logger.warning("C++ CPU kernels unavailable, using torch's operators: %s", error)
         return False
     return True
+
+
+def build_directory_of(cpp_extension) -> Path:
+    """Where the kernels are built: pagedserve_kernels under TORCH_EXTENSIONS_DIR, or under
+    torch's default root for extensions."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / "pagedserve_kernels"
+
+
+@contextlib.contextmanager
+def _build_lock(build_directory: Path) -> Iterator[None]:
+    """Held while the kernels load. torch marks a build in progress with a `lock` file that an
+    interrupted build (Ctrl-C during the first start) leaves behind, and every later load then
+    waits for it forever. Every load holds this lock, which the OS drops when its process ends,
+    so a `lock` file found while holding it is left from such a build, and is removed."""
+    build_directory.mkdir(parents=True, exist_ok=True)
+    with open(build_directory / "pagedserve.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        leftover = build_directory / "lock"
+        if leftover.exists():
+            logger.warning("removing %s, left by an interrupted build", leftover)
+            leftover.unlink()
+        yield
 
 
 def _put_ninja_on_path() -> None:
