@@ -10,16 +10,16 @@
 // 2 * 15 * 127 each, so eight of them sum without overflow), and vpmaddwd adds those into one
 // int32 per feature. That takes about a third of the instructions per weight.
 //
-// Measured here (2 threads, the default model's 120 Q4_1 maps a step, runs alternating): one row
-// 0.66-0.81x packed_linear's Q4_1 time with the weights in cache, but as long from memory, whose
-// pace both products then keep; 4 rows 0.75-0.85x and 64 rows 0.64-0.73x from memory.
-//
 // So the product is that of the dequantized weights (scale * value + minimum) with the
 // dequantized inputs (d * q). Each output is, per feature f and in this order for every tile
 // shape and batch size, so that a row's outputs do not depend on its batch:
 //   out[f] = (sum over groups g of (scale[f][g] * d[g]) * dot[f][g])
 //          + (sum over groups g of minimum[f][g] * (d[g] * sum of q over g)) + bias[f]
 // with each sum a chain of float32 multiply-adds over g in order.
+//
+// Measured here (2 threads, the default model's 120 Q4_1 maps a step, runs alternating): one row
+// 0.66-0.81x packed_linear's Q4_1 time with the weights in cache, but 1.05x from memory, whose
+// pace both products then keep; from memory, 4 rows 0.75-0.85x and 64 rows 0.64-0.73x.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -140,8 +140,8 @@ __m256 widen_halves(const uint8_t* halves) {
 }
 
 // Rows [first_row, first_row + rows) against `panels` consecutive panels of a strip from its
-// panel `first`, writing `cols` features of `out` from the first of them. The weights of a block
-// are read once for all the rows of the tile.
+// panel `first`, writing `cols` features of `out` from the first of them. Each block comes from
+// memory once for all the rows of the tile.
 template <int64_t rows, int64_t panels>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t first_row, const uint8_t* strip,
                             int64_t first, int64_t num_groups, const float* bias, float* out,
