@@ -58,22 +58,13 @@ def profile_decode_steps(
         engine.step()
     timer = engine.phase_timer
     before = dict(timer.seconds)
-    fewest_running = len(engine.scheduler.running)
-    started = time.perf_counter()
-    for _ in range(steps):
-        fewest_running = min(fewest_running, len(engine.scheduler.running))
-        engine.step()
-    step_ms = 1000 * (time.perf_counter() - started) / steps
+    step_ms, fewest_timed = _timed_steps(engine, steps)
     phase_ms = {
         phase: 1000 * (timer.seconds.get(phase, 0.0) - before.get(phase, 0.0)) / steps
         for phase in STEP_PHASES
     }
     with profile(activities=_profiler_activities(engine)) as profiler:
-        started = time.perf_counter()
-        for _ in range(steps):
-            fewest_running = min(fewest_running, len(engine.scheduler.running))
-            engine.step()
-        profiled_step_ms = 1000 * (time.perf_counter() - started) / steps
+        profiled_step_ms, fewest_profiled = _timed_steps(engine, steps)
     while engine.has_unfinished_requests():
         engine.step()
     return StepProfile(
@@ -83,8 +74,19 @@ def profile_decode_steps(
         phase_ms,
         _top_ops(profiler, engine, steps, top),
         profiled_step_ms,
-        fewest_running,
+        min(fewest_timed, fewest_profiled),
     )
+
+
+def _timed_steps(engine: LLMEngine, steps: int) -> tuple[float, int]:
+    """Runs `steps` engine steps: the mean wall time of one (ms), and the fewest sequences that
+    any of them ran."""
+    fewest_running = len(engine.scheduler.running)
+    started = time.perf_counter()
+    for _ in range(steps):
+        fewest_running = min(fewest_running, len(engine.scheduler.running))
+        engine.step()
+    return 1000 * (time.perf_counter() - started) / steps, fewest_running
 
 
 def _prefilling(engine: LLMEngine) -> bool:
