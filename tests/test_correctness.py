@@ -232,11 +232,11 @@ def test_q4_1_q8_matches_transformers_on_inputs_rounded_as_it_rounds_them(
     upstream can move an input across a boundary where transformers' does not: each sequence
     must equal the reference up to a step at which the reference's top two logits are within
     _NEAR_TIE, and at least three quarters of all tokens must match."""
-    llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32", packed_weight_dtype="q4_1_q8")
+    checkpoint = tiny_checkpoint(architecture)
+    llm = LLM(str(checkpoint), dtype="float32", packed_weight_dtype="q4_1_q8")
     panels = llm.engine.runner.model.layers[0].mlp.down_proj.packed_weight.panels
     # pack_q4_1_q8's blocks: 8 features' float16 scales and minima, then their 32 4-bit values
     assert panels.dtype == torch.uint8 and panels.shape[-1] == 2 * 8 * 2 + 8 * 32 // 2
-    checkpoint = tiny_checkpoint(architecture)
     model = _with_weights_held(checkpoint, _quantized_to_q4_1, _quantized_to_q8_0)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":

@@ -154,8 +154,8 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
         else:
             minima = (torch.randn(groups, generator=generator) / 4).half()
             weight += minima.double()[..., None]
-            pack_q4_1 = getattr(pack, f"pack_{weight_dtype}")
-            packed = pack_q4_1(values.to(torch.uint8), scales, minima)
+            pack_blocks = getattr(pack, f"pack_{weight_dtype}")  # pack_q4_1 or pack_q4_1_q8
+            packed = pack_blocks(values.to(torch.uint8), scales, minima)
         return packed, None, weight.view(out_features, in_features)
     weight = torch.randn(out_features, in_features, generator=generator).to(weight_dtype)
     return pack.pack_linear_weight(weight), None, weight.double()
