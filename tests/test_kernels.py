@@ -271,15 +271,27 @@ def test_packed_linear_rejects_mismatched_inputs():
         torch.ops.pagedserve.pack_linear_weight(torch.zeros(4, 4, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("packer", ["pack_q4_1", "pack_q4_1_q8"])
+def test_q4_1_packers_reject_mismatched_inputs(packer):
+    assert cpu_kernels_available()
+    pack = getattr(torch.ops.pagedserve, packer)
+    scales = torch.ones(40, 2, dtype=torch.float16)
+    values = torch.zeros(40, 64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=f"{packer}: values must be 0-15"):
+        pack(values + 16, scales, scales)
+    with pytest.raises(RuntimeError, match="48 input features are not whole groups of 32"):
+        pack(values[:, :48], scales[:, :1], scales[:, :1])
+    with pytest.raises(RuntimeError, match=r"must be float16 of shape \[40, 2\]"):
+        pack(values, scales, scales.float())
+    with pytest.raises(RuntimeError, match="values must be a 2-D Byte tensor"):
+        pack(values.to(torch.int8), scales, scales)
+
+
 def test_block_packing_rejects_mismatched_inputs():
     assert cpu_kernels_available()
     pack, linear = torch.ops.pagedserve, torch.ops.pagedserve.packed_linear
     scales = torch.ones(40, 2, dtype=torch.float16)
     values = torch.zeros(40, 64, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="values must be 0-15"):
-        pack.pack_q4_1(values + 16, scales, scales)
-    with pytest.raises(RuntimeError, match="48 input features are not whole groups of 32"):
-        pack.pack_q4_1(values[:, :48], scales[:, :1], scales[:, :1])
     with pytest.raises(RuntimeError, match=r"must be float16 of shape \[40, 2\]"):
         pack.pack_q8_0(values.to(torch.int8), scales.float())
     with pytest.raises(RuntimeError, match="values must be a 2-D Char tensor"):
@@ -293,20 +305,13 @@ def test_block_packing_rejects_mismatched_inputs():
         linear(torch.zeros(2, 64), packed, 40, None, torch.ones(40))
 
 
-def test_q4_1_q8_packing_rejects_mismatched_inputs():
+def test_q4_1_q8_product_rejects_mismatched_inputs():
     assert cpu_kernels_available()
-    pack, linear = torch.ops.pagedserve, torch.ops.pagedserve.packed_linear
+    linear = torch.ops.pagedserve.packed_linear
     scales = torch.ones(40, 2, dtype=torch.float16)
-    values = torch.zeros(40, 64, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="values must be 0-15"):
-        pack.pack_q4_1_q8(values + 16, scales, scales)
-    with pytest.raises(RuntimeError, match="48 input features are not whole groups of 32"):
-        pack.pack_q4_1_q8(values[:, :48], scales[:, :1], scales[:, :1])
-    with pytest.raises(RuntimeError, match=r"must be float16 of shape \[40, 2\]"):
-        pack.pack_q4_1_q8(values, scales, scales.float())
-    with pytest.raises(RuntimeError, match="values must be a 2-D uint8 tensor"):
-        pack.pack_q4_1_q8(values.to(torch.int8), scales, scales)
-    packed = pack.pack_q4_1_q8(values, scales, scales)
+    packed = torch.ops.pagedserve.pack_q4_1_q8(
+        torch.zeros(40, 64, dtype=torch.uint8), scales, scales
+    )
     with pytest.raises(RuntimeError, match="is not a pack_q4_1_q8 result for 96 input features"):
         linear(torch.zeros(2, 96), packed, 40, None)
     with pytest.raises(RuntimeError, match="out_features 70 does not fit 2 strips of 32"):

@@ -21,16 +21,23 @@ at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor pack_q4_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima);
 at::Tensor pack_q8_0(const at::Tensor& values, const at::Tensor& scales);
 int64_t packed_in_features(const at::Tensor& packed_weight);  // what its product takes
+// A block packer's inputs: values [out, in] of values_type, each header part (scales, minima)
+// float16 [out, in / 32]; check_q4_1_inputs adds that the values are 0-15.
+void check_block_inputs(const char* op, const at::Tensor& values, at::ScalarType values_type,
+                        at::TensorList header_parts);
+void check_q4_1_inputs(const char* op, const at::Tensor& values, const at::Tensor& scales,
+                       const at::Tensor& minima);
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weight,
                          int64_t out_features, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scale);
 
-// q4_1_q8_linear.cpp: packed_linear's product for pack_q4_1_q8 results (input checked by it)
+// q4_1_q8_linear.cpp: packed_linear's product for pack_q4_1_q8 results (its input, scale and
+// bias checked by packed_linear; bias nullptr or out_features floats)
 at::Tensor pack_q4_1_q8(const at::Tensor& values, const at::Tensor& scales,
                         const at::Tensor& minima);
-bool is_q4_1_q8(const at::Tensor& packed_weight);  // a pack_q4_1_q8 result, by its block size
+bool is_q4_1_q8(const at::Tensor& packed_weight);  // a pack_q4_1_q8 result, by its shape
 at::Tensor q4_1_q8_linear(const at::Tensor& input, const at::Tensor& packed_weight,
-                          int64_t out_features, const std::optional<at::Tensor>& bias);
+                          int64_t out_features, const float* bias);
 
 // rotary_cache.cpp
 at::Tensor rotary_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,

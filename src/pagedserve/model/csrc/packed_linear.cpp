@@ -504,6 +504,10 @@ at::Tensor pack_blocks(at::TensorList header_parts, const at::Tensor& value_rows
       {header_bytes.view(at::kByte), value_rows.reshape({num_panels, num_groups, -1})}, 2);
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 void check_block_inputs(const char* op, const at::Tensor& values, at::ScalarType values_type,
                         at::TensorList header_parts) {
   TORCH_CHECK(values.dim() == 2 && values.scalar_type() == values_type, op, ": values must be a ",
@@ -519,9 +523,11 @@ void check_block_inputs(const char* op, const at::Tensor& values, at::ScalarType
   }
 }
 
-}  // namespace
-
-namespace pagedserve {
+void check_q4_1_inputs(const char* op, const at::Tensor& values, const at::Tensor& scales,
+                       const at::Tensor& minima) {
+  check_block_inputs(op, values, at::kByte, {scales, minima});
+  TORCH_CHECK(values.max().item<uint8_t>() < 16, op, ": values must be 0-15");
+}
 
 // The panels keep the weight's dtype: float32, bfloat16, or int8 (quantized values, whose
 // per-feature scales packed_linear takes apart).
@@ -540,8 +546,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 // (weight = scale * value + minimum). Returns Q4_1 block panels as packed_linear takes them:
 // uint8, [panels][in / kGroup][block bytes].
 at::Tensor pack_q4_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima) {
-  check_block_inputs("pack_q4_1", values, at::kByte, {scales, minima});
-  TORCH_CHECK(values.max().item<uint8_t>() < 16, "pack_q4_1: values must be 0-15");
+  check_q4_1_inputs("pack_q4_1", values, scales, minima);
   // [panels][in][kPanel], one value a byte, then two
   const at::Tensor panels = pack_linear_weight(values.to(at::kChar)).to(at::kByte);
   const at::Tensor low = panels.narrow(2, 0, kPanel / 2);
@@ -567,13 +572,16 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat,
               "packed_linear: input must be a 2-D float32 tensor, got ", input.sizes(), " ",
               input.scalar_type());
+  const at::ScalarType type = packed_weight.scalar_type();
+  TORCH_CHECK((type == at::kChar) == scale.has_value(),
+              "packed_linear: scale is required for int8 panels and only for them");
+  at::Tensor padded_bias;
   if (is_q4_1_q8(packed_weight)) {
-    TORCH_CHECK(!scale.has_value(), "packed_linear: scale is required for int8 panels and only ",
-                "for them");
-    return q4_1_q8_linear(input, packed_weight, out_features, bias);
+    const int64_t panels = (out_features + kPanel - 1) / kPanel;
+    return q4_1_q8_linear(input, packed_weight, out_features,
+                          per_feature(bias, out_features, panels, "bias", padded_bias));
   }
   const int64_t num_rows = input.size(0), in_features = input.size(1);
-  const at::ScalarType type = packed_weight.scalar_type();
   const bool blocks = type == at::kByte;  // Q4_1 or Q8_0, told apart by their block size
   const bool three_d = packed_weight.dim() == 3;
   const int64_t panel_rows = three_d ? packed_weight.size(1) : 0;  // inputs, or groups of them
@@ -591,9 +599,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
   TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
               "packed_linear: out_features ", out_features, " does not fit ", panels, " panels of ",
               kPanel);
-  TORCH_CHECK((type == at::kChar) == scale.has_value(),
-              "packed_linear: scale is required for int8 panels and only for them");
-  at::Tensor padded_bias, padded_scale;
+  at::Tensor padded_scale;
   const float* bias_data = per_feature(bias, out_features, panels, "bias", padded_bias);
   const at::Tensor x = input.contiguous();
   at::Tensor out = at::empty({num_rows, out_features}, input.options());

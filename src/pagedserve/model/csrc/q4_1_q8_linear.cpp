@@ -252,20 +252,8 @@ namespace pagedserve {
 at::Tensor pack_q4_1_q8(const at::Tensor& values, const at::Tensor& scales,
                         const at::Tensor& minima) {
   check_avx2("pack_q4_1_q8");
-  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kByte,
-              "pack_q4_1_q8: values must be a 2-D uint8 tensor, got ", values.sizes(), " ",
-              values.scalar_type());
-  const int64_t out_features = values.size(0), in_features = values.size(1);
-  TORCH_CHECK(in_features % kGroup == 0, "pack_q4_1_q8: ", in_features,
-              " input features are not whole groups of ", kGroup);
-  const int64_t groups = in_features / kGroup;
-  for (const at::Tensor& part : {scales, minima}) {
-    TORCH_CHECK(part.sizes() == c10::IntArrayRef({out_features, groups}) &&
-                    part.scalar_type() == at::kHalf,
-                "pack_q4_1_q8: scales and minima must be float16 of shape [", out_features, ", ",
-                groups, "], got ", part.sizes(), " ", part.scalar_type());
-  }
-  TORCH_CHECK(values.max().item<uint8_t>() < 16, "pack_q4_1_q8: values must be 0-15");
+  check_q4_1_inputs("pack_q4_1_q8", values, scales, minima);
+  const int64_t out_features = values.size(0), groups = values.size(1) / kGroup;
   const int64_t strips = (out_features + kStripFeatures - 1) / kStripFeatures;
   const auto padded = [&](const at::Tensor& t) {
     at::Tensor result = at::zeros({strips * kStripFeatures, t.size(1)}, t.options());
@@ -294,20 +282,11 @@ bool is_q4_1_q8(const at::Tensor& packed_weight) {
 }
 
 at::Tensor q4_1_q8_linear(const at::Tensor& input, const at::Tensor& packed_weight,
-                          int64_t out_features, const std::optional<at::Tensor>& bias) {
+                          int64_t out_features, const float* bias) {
   check_avx2("q4_1_q8_linear");
   check_packed(packed_weight, input.size(1), out_features);
-  at::Tensor bias_values;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features &&
-                    bias->scalar_type() == at::kFloat,
-                "packed_linear: bias must be float32 of ", out_features, " features, got ",
-                bias->sizes(), " ", bias->scalar_type());
-    bias_values = bias->contiguous();
-  }
 #ifdef PAGEDSERVE_HAS_AVX2
-  return product(input.contiguous(), packed_weight, out_features,
-                 bias.has_value() ? bias_values.const_data_ptr<float>() : nullptr);
+  return product(input.contiguous(), packed_weight, out_features, bias);
 #else
   return {};
 #endif
