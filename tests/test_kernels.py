@@ -240,6 +240,29 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
         assert torch.equal(batched[:1], alone), f"row 0 changed in a batch of {rows}"
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, "q4_1", "q4_1_q8"])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_packed_linear_is_the_same_on_any_number_of_threads(weight_dtype, rows):
+    """Threads share the panels (strips for q4_1_q8) in contiguous shares and take what the
+    others leave from their ends (csrc/work_sharing.h): every output is computed exactly once
+    however many threads there are, more than there are items of work included, and in the
+    same order of sums."""
+    assert cpu_kernels_available()
+    generator = torch.Generator().manual_seed(0)
+    packed, scale, _ = _packed_weights(200, 96, weight_dtype, generator)
+    x = torch.randn(rows, 96, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.ops.pagedserve.packed_linear(x, packed, 200, None, scale)
+        for num_threads in (2, 3, 16):
+            torch.set_num_threads(num_threads)
+            out = torch.ops.pagedserve.packed_linear(x, packed, 200, None, scale)
+            assert torch.equal(out, alone), f"differs on {num_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_packed_linear_reads_strided_inputs():
     assert cpu_kernels_available()
     weight, x = torch.randn(24, 10), torch.randn(10, 9).T  # 9 rows, not contiguous

@@ -24,13 +24,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "kernels.h"
+#include "work_sharing.h"
 
 namespace {
 
@@ -446,10 +446,8 @@ void product_group(const float* x, int64_t num_rows, int64_t in_features, Panels
 }
 
 // The product, in groups of as many panels as the rows left over from whole tiles take at once,
-// each group claimed by whichever thread comes for work next. Split evenly in advance, a thread
-// slowed by other work on its core kept the other waiting at the end of every call: claiming made
-// single-stream q4_1 decode 3-4% faster here (and 32 sequences' decode no slower). Which thread
-// computes a group does not change its arithmetic.
+// shared between the threads as work_sharing.h describes. Which thread computes a group does not
+// change its arithmetic.
 // Float32 panels, and any panels for up to 2 * kRows rows, are read as stored. Beyond that,
 // bfloat16, int8 or 4-bit panels are widened once into float32 for all the tiles instead of by
 // each tile again: measured here, widening pays from 16 rows on, and without it 64 rows ran 1.3x
@@ -460,10 +458,9 @@ void product(const float* x, int64_t num_rows, int64_t in_features, Panels weigh
   const int64_t group = panels_per_tile(num_rows % kRows);
   const bool widen_once = !std::is_same_v<Panels, const float*> && num_rows > 2 * kRows;
   const int64_t num_groups = (num_panels + group - 1) / group;
-  std::atomic<int64_t> next_group{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  pagedserve::share_items(num_groups, [&](pagedserve::SharedItems& groups) {
     std::vector<float> widened(widen_once ? group * in_features * kPanel : 0);
-    for (int64_t g = next_group++; g < num_groups; g = next_group++) {
+    for (int64_t g = groups.next(); g >= 0; g = groups.next()) {
       product_group(x, num_rows, in_features, weights, epilogue, out, out_features,
                     g * group, std::min(group, num_panels - g * group),
                     widen_once ? widened.data() : nullptr);

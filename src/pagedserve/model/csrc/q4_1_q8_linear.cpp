@@ -17,9 +17,10 @@
 //          + (sum over groups g of minimum[f][g] * (d[g] * sum of q over g)) + bias[f]
 // with each sum a chain of float32 multiply-adds over g in order.
 //
-// Measured here (2 threads, the default model's 120 Q4_1 maps a step, runs alternating): one row
-// 0.66-0.81x packed_linear's Q4_1 time with the weights in cache, but 1.05x from memory, whose
-// pace both products then keep; from memory, 4 rows 0.75-0.85x and 64 rows 0.64-0.73x.
+// Measured here (2 threads, the default model's 120 Q4_1 maps a step, runs alternating), against
+// packed_linear's Q4_1 time from memory: one row 0.82-0.85x (0.66-0.81x with the weights in
+// cache), 4 rows 0.97-1.09x, 64 rows 0.62-0.69x. One row is held by the memory more than by
+// arithmetic: see prefetch_ahead and work_sharing.h.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,11 +31,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 
 #include "kernels.h"
+#include "work_sharing.h"
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -139,6 +140,20 @@ __m256 widen_halves(const uint8_t* halves) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
 }
 
+// One row computes a group's blocks faster than they arrive from memory, and the hardware
+// prefetcher alone fell behind: asking for the blocks a kPrefetchBytes ahead of those being read
+// made the default model's maps at one row 6-8% faster here (640 bytes ahead as fast; reading
+// runs on into the next strip of the thread's share, or past the tensor's end, where a prefetch
+// reads nothing and cannot fault).
+constexpr int64_t kPrefetchBytes = 1024;
+
+[[gnu::always_inline]] inline void prefetch_ahead(const uint8_t* group_blocks) {
+  const char* ahead = reinterpret_cast<const char*>(group_blocks) + kPrefetchBytes;
+  for (int64_t offset = 0; offset < kStrip * kBlockBytes; offset += 64) {
+    _mm_prefetch(ahead + offset, _MM_HINT_T0);
+  }
+}
+
 // Rows [first_row, first_row + rows) against `panels` consecutive panels of a strip from its
 // panel `first`, writing `cols` features of `out` from the first of them. Each block comes from
 // memory once for all the rows of the tile.
@@ -151,6 +166,7 @@ template <int64_t rows, int64_t panels>
     for (int64_t p = 0; p < panels; ++p) dots[m][p] = minima[m][p] = _mm256_setzero_ps();
   }
   for (int64_t g = 0; g < num_groups; ++g) {
+    if constexpr (rows == 1) prefetch_ahead(strip + g * kStrip * kBlockBytes);
 #pragma GCC unroll 4
     for (int64_t p = 0; p < panels; ++p) {
       const uint8_t* block = strip + (g * kStrip + first + p) * kBlockBytes;
@@ -206,10 +222,8 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed_weight, int64_t
   at::Tensor out = at::empty({num_rows, out_features}, x.options());
   const uint8_t* blocks = packed_weight.const_data_ptr<uint8_t>();
   const int64_t num_strips = packed_weight.size(0), num_groups = in_features / kGroup;
-  // Threads claim strips as they come for work, as packed_linear's threads claim panels.
-  std::atomic<int64_t> next_strip{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t s = next_strip++; s < num_strips; s = next_strip++) {
+  pagedserve::share_items(num_strips, [&](pagedserve::SharedItems& strips) {
+    for (int64_t s = strips.next(); s >= 0; s = strips.next()) {
       const int64_t feature = s * kStripFeatures;
       rows_against_strip(quantized, num_rows, blocks + s * num_groups * kStrip * kBlockBytes,
                          num_groups, bias == nullptr ? nullptr : bias + feature,
