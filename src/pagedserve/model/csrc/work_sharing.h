@@ -22,7 +22,8 @@
 namespace pagedserve {
 
 // The items of one share not yet taken, [front, back), in one word: the owner taking from the
-// front and another thread taking from the back can never both take the last one.
+// front and another thread taking from the back can never both take the last one. Item numbers
+// are below 2**32.
 class Share {
  public:
   void reset(int64_t front, int64_t back) { bounds_.store(pack(front, back)); }
@@ -58,9 +59,9 @@ class SharedItems {
 
   int64_t next() {  // -1 once every item is taken
     const int64_t num_shares = static_cast<int64_t>(shares_.size());
-    for (; visited_ < num_shares; ++visited_) {
-      Share& share = shares_[(thread_ + visited_) % num_shares];
-      const int64_t item = visited_ == 0 ? share.take_front() : share.take_back();
+    for (; offset_ < num_shares; ++offset_) {
+      Share& share = shares_[(thread_ + offset_) % num_shares];
+      const int64_t item = offset_ == 0 ? share.take_front() : share.take_back();
       if (item >= 0) return item;
     }
     return -1;
@@ -69,7 +70,7 @@ class SharedItems {
  private:
   std::vector<Share>& shares_;
   int64_t thread_;
-  int64_t visited_ = 0;  // shares found empty
+  int64_t offset_ = 0;  // the share taken from: the thread's own (0), then the following ones
 };
 
 // Runs worker(SharedItems&) once on each of at::get_num_threads() threads; between them they
