@@ -141,7 +141,7 @@ __m256 widen_halves(const uint8_t* halves) {
 }
 
 // One row computes a group's blocks faster than they arrive from memory, and the hardware
-// prefetcher alone fell behind: asking for the blocks a kPrefetchBytes ahead of those being read
+// prefetcher alone fell behind: asking for the blocks kPrefetchBytes ahead of those being read
 // made the default model's maps at one row 6-8% faster here (640 bytes ahead as fast; reading
 // runs on into the next strip of the thread's share, or past the tensor's end, where a prefetch
 // reads nothing and cannot fault).
