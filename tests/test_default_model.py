@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.quantization import quantize_q4_1, quantize_q8_0
-from pagedserve.model.source import default_gguf_path
+from pagedserve.model.source import default_gguf_path, gguf_linear_types, resolve_model_dir
 
 PROMPTS = (
     "The history of the Roman Empire",
@@ -21,7 +21,7 @@ PROMPTS = (
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="float32")
+    return LLM(dtype="float32")  # packed_weight_dtype auto: q4_1, the GGUF file's own
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +64,22 @@ def test_q4_1_holds_the_gguf_weights_exactly(gguf_reference):
     assert torch.equal(held.view(embeddings.shape), embeddings)
 
 
-def test_q4_1_greedy_matches_transformers_on_the_gguf(gguf_reference):
+def test_auto_packs_a_q4_1_gguf_as_q4_1_and_other_checkpoints_as_float32(llm, tiny_checkpoint):
+    assert llm.engine.runner.packed_weight_dtype == "q4_1"
+    other = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=8)
+    assert other.engine.runner.packed_weight_dtype == "float32"
+
+
+def test_a_conversion_cached_without_the_linear_types_gains_them(default_model_dir):
+    (default_model_dir / "gguf-linear-types.json").unlink()
+    assert gguf_linear_types(default_model_dir) == set()
+    assert resolve_model_dir(None) == default_model_dir
+    assert gguf_linear_types(default_model_dir) == {"Q4_1"}
+
+
+def test_float32_packed_greedy_matches_transformers_on_the_gguf(gguf_reference):
     _, model = gguf_reference
-    llm = LLM(dtype="float32", packed_weight_dtype="q4_1")
+    llm = LLM(dtype="float32", packed_weight_dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for output in llm.generate(list(PROMPTS), params):
         assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)

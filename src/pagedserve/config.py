@@ -8,7 +8,7 @@ from dataclasses import dataclass
 SCHEDULER_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES  # auto: the model's dtype
-PACKED_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "q4_1", "q4_1_q8")
+PACKED_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "q4_1", "q4_1_q8")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -39,7 +39,9 @@ class EngineConfig:
     # them, each output feature quantized with its own scale; q4_1 (llama.cpp's format, 5 bits a
     # weight) holds a Q4_1 GGUF's weights exactly, with Q8_0 logits; q4_1_q8 stores the same and
     # computes as llama.cpp does, in integers against inputs rounded to 8 bits (AVX2 CPUs).
-    packed_weight_dtype: str = "float32"
+    # auto: q4_1 for a GGUF file whose linear maps are all Q4_1 (the default model), so that its
+    # own weights are what each step reads, as vLLM serves a GGUF file; else float32.
+    packed_weight_dtype: str = "auto"
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True
     seed: int = 0

@@ -35,6 +35,7 @@ class EngineSetup:
     device: torch.device
     kv_layout: KvLayout
     cost: ModelCost
+    packed_weight_dtype: str | None  # None: the linear weights as loaded, for F.linear
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineSetup:
@@ -45,6 +46,7 @@ class EngineSetup:
             runner.device,
             KvLayout.of(engine),
             model_cost(runner.model),
+            runner.packed_weight_dtype,
         )
 
 

