@@ -30,6 +30,7 @@ from pagedserve.bench.datasets import (
 from pagedserve.bench.metrics import RequestResult, Slo, summarize
 from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
 from pagedserve.bench.server_metrics import Histogram
+from pagedserve.bench.speed_sections import SEATED_WEIGHT_ROWS
 from pagedserve.bench.sweep import largest_meeting
 from pagedserve.timing import Stopwatch, device_clock, synchronize
 
@@ -515,10 +516,12 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert seated_stages == [
         "W1 all seated 1",
         "W1 all seated, bfloat16 KV cache 1",
+        "W1 all seated, q4_1 weights 1",
         "W1 all seated, q4_1_q8 weights 1",
         "W1 over HTTP 1",
         "W1 all seated 2",
         "W1 all seated, bfloat16 KV cache 2",
+        "W1 all seated, q4_1 weights 2",
         "W1 all seated, q4_1_q8 weights 2",
         "W1 over HTTP 2",
     ]
@@ -533,11 +536,14 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     narrow_kv_rates = ", ".join(f"{run['output_throughput']:.1f}" for run in narrow_kv)
     assert f"with a bfloat16 KV cache {narrow_kv_rates};" in report
     assert "| offline, bfloat16 KV cache (`--kv-cache-dtype bfloat16`) |" in report
-    q4_1_q8 = speed["w1_all_seated_q4_1_q8_rounds"]
-    assert [run["output_tokens"] for run in q4_1_q8] == [8632, 8632]
-    q4_1_q8_rates = ", ".join(f"{run['output_throughput']:.1f}" for run in q4_1_q8)
-    assert f"with q4_1_q8 weights {q4_1_q8_rates};" in report
-    assert "arithmetic (`--packed-weight-dtype q4_1_q8`) |" in report
+    for dtype in ("q4_1", "q4_1_q8"):
+        runs = speed[f"w1_all_seated_{dtype}_rounds"]
+        assert [run["output_tokens"] for run in runs] == [8632, 8632]
+        rates = ", ".join(f"{run['output_throughput']:.1f}" for run in runs)
+        assert f"with {dtype} weights {rates};" in report
+        assert f"| {SEATED_WEIGHT_ROWS[dtype]} |" in report
+    # The target rows run float32 packed weights, whatever auto would pick.
+    assert "the rows below set float32 unless they say otherwise) | float32 |" in report
     baseline = raw["transformers_baseline"]
     assert [run["batch_size"] for run in baseline] == [2, 1, 2]
     assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report

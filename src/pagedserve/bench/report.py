@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 POLICIES = ("continuous", "static")
 # Packed weight dtypes run beside float32 (--packed-weight-dtype): fewer bytes per decode step.
 NARROW_WEIGHT_DTYPES = ("bfloat16", "int8", "q4_1", "q4_1_q8")
+# Those W1 also runs with, every request seated: q4_1 is what auto packs the default model as.
+SEATED_WEIGHT_DTYPES = ("q4_1", "q4_1_q8")
 T = TypeVar("T")
 
 
@@ -182,13 +184,13 @@ def _measure_and_render(
     )
     segments = stages.run("seed timeline", partial(_seed_timelines, engine_args))
     serve = stages.run("bench serve", partial(_serve_run, config, setup, batch))
-    seated_runs, narrow_kv_runs, q4_1_q8_runs, http_runs = _w1_seated_rounds(
+    seated_runs, narrow_kv_runs, narrow_weight_runs, http_runs = _w1_seated_rounds(
         config, requests, stages
     )
     speed = SpeedFigures(
         all_seated_runs=seated_runs,
         narrow_kv_seated_runs=narrow_kv_runs,
-        q4_1_q8_seated_runs=q4_1_q8_runs,
+        narrow_weight_seated_runs=narrow_weight_runs,
         http_runs=http_runs,
         single_stream=_single_stream_rounds(config, stages),
         llama_cpp=stages.run("llama.cpp", partial(_llama_cpp_runs, config, requests)),
@@ -249,10 +251,11 @@ def _w1_run(
 
 def _w1_seated_rounds(
     config: ReportConfig, requests: list[BenchRequest], stages: _Stages
-) -> tuple[list[OfflineRun], list[OfflineRun], list[OfflineRun], list[dict]]:
+) -> tuple[list[OfflineRun], list[OfflineRun], dict[str, list[OfflineRun]], list[dict]]:
     """W1 with every request seated, round after round: offline, offline with a bfloat16 KV
-    cache, offline with q4_1_q8 weights, then over HTTP."""
-    seated, narrow_kv, q4_1_q8, http = [], [], [], []
+    cache, offline with each of SEATED_WEIGHT_DTYPES, then over HTTP."""
+    seated, narrow_kv, http = [], [], []
+    narrow_weights: dict[str, list[OfflineRun]] = {dtype: [] for dtype in SEATED_WEIGHT_DTYPES}
     offline = partial(_w1_run, config, requests, "continuous", config.w1_all_seated)
     for round_ in range(1, config.w1_seated_rounds + 1):
         seated.append(stages.run(f"W1 all seated {round_}", offline))
@@ -262,14 +265,15 @@ def _w1_seated_rounds(
                 partial(offline, kv_cache_dtype="bfloat16"),
             )
         )
-        q4_1_q8.append(
-            stages.run(
-                f"W1 all seated, q4_1_q8 weights {round_}",
-                partial(offline, packed_weight_dtype="q4_1_q8"),
+        for dtype, runs in narrow_weights.items():
+            runs.append(
+                stages.run(
+                    f"W1 all seated, {dtype} weights {round_}",
+                    partial(offline, packed_weight_dtype=dtype),
+                )
             )
-        )
         http.append(stages.run(f"W1 over HTTP {round_}", partial(_w1_http_run, config, requests)))
-    return seated, narrow_kv, q4_1_q8, http
+    return seated, narrow_kv, narrow_weights, http
 
 
 def _w1_http_run(config: ReportConfig, requests: list[BenchRequest]) -> dict:

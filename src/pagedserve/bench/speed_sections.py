@@ -17,7 +17,8 @@ class SpeedFigures:
     # server, all streamed at once (bench serve summaries with the server's peak RSS).
     all_seated_runs: list[OfflineRun]
     narrow_kv_seated_runs: list[OfflineRun]  # the same offline, with a bfloat16 KV cache
-    q4_1_q8_seated_runs: list[OfflineRun]  # and with q4_1_q8 packed weights
+    # and with narrower packed weights, by dtype (--packed-weight-dtype)
+    narrow_weight_seated_runs: dict[str, list[OfflineRun]]
     http_runs: list[dict]
     # One request alone: ours, transformers, then ours with each narrower dtype of packed weights
     # (run summaries; those carry their packed_weight_dtype).
@@ -44,10 +45,9 @@ class SpeedFigures:
         """The fastest offline round with a bfloat16 KV cache."""
         return _shortest(self.narrow_kv_seated_runs)
 
-    @property
-    def q4_1_q8_seated(self) -> OfflineRun:
-        """The fastest offline round with q4_1_q8 packed weights."""
-        return _shortest(self.q4_1_q8_seated_runs)
+    def narrow_weight_seated(self, dtype: str) -> OfflineRun:
+        """The fastest offline round with packed weights of this dtype."""
+        return _shortest(self.narrow_weight_seated_runs[dtype])
 
     @property
     def http(self) -> dict:
@@ -68,7 +68,10 @@ class SpeedFigures:
             "w1_all_seated_bfloat16_kv_rounds": [
                 run.summary() for run in self.narrow_kv_seated_runs
             ],
-            "w1_all_seated_q4_1_q8_rounds": [run.summary() for run in self.q4_1_q8_seated_runs],
+            **{
+                f"w1_all_seated_{dtype}_rounds": [run.summary() for run in runs]
+                for dtype, runs in self.narrow_weight_seated_runs.items()
+            },
             "w1_http_rounds": self.http_runs,
             "single_stream": self.single_stream,
             "llama_cpp": self.llama_cpp,
@@ -271,9 +274,9 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
             "offline, bfloat16 KV cache (`--kv-cache-dtype bfloat16`)",
             figures.narrow_kv_seated.summary(),
         ),
-        _w1_row(
-            "offline, llama.cpp's Q4_1 weights and arithmetic (`--packed-weight-dtype q4_1_q8`)",
-            figures.q4_1_q8_seated.summary(),
+        *(
+            _w1_row(SEATED_WEIGHT_ROWS[dtype], figures.narrow_weight_seated(dtype).summary())
+            for dtype in figures.narrow_weight_seated_runs
         ),
         _w1_row("over HTTP (`bench serve`, streamed)", http, http["failed"]),
     ]
@@ -323,26 +326,34 @@ def _seated_rounds_note(figures: SpeedFigures) -> str:
     rounds = len(figures.http_runs)
     if rounds == 1:
         return ""
-    offline, narrow_kv, q4_1_q8 = (
+    offline, narrow_kv = (
         _rates([run.summary()["output_throughput"] for run in runs])
-        for runs in (
-            figures.all_seated_runs,
-            figures.narrow_kv_seated_runs,
-            figures.q4_1_q8_seated_runs,
-        )
+        for runs in (figures.all_seated_runs, figures.narrow_kv_seated_runs)
+    )
+    narrow_weights = "".join(
+        f"with {dtype} weights {_rates([run.summary()['output_throughput'] for run in runs])}; "
+        for dtype, runs in figures.narrow_weight_seated_runs.items()
     )
     http = _rates([run["output_throughput"] for run in figures.http_runs])
     return (
         f"Each row ran W1 {rounds} times, taking turns, and the table shows each one's fastest "
         "run, so that a busy spell on the shared machine does not decide target 2's ratio. "
         f"Output tokens/s in the order run: offline {offline}; with a bfloat16 KV cache "
-        f"{narrow_kv}; with q4_1_q8 weights {q4_1_q8}; over HTTP {http}. The bfloat16 cache "
+        f"{narrow_kv}; {narrow_weights}over HTTP {http}. The bfloat16 cache "
         "stores each key and value rounded once and holds twice the tokens in the same memory; "
-        "attention still computes in float32. q4_1_q8 holds the weights llama.cpp's row reads "
-        "(the GGUF's Q4_1 linear maps and Q8_0 logits) and computes its linear maps as llama.cpp "
-        "does, each input rounded to 8 bits per group of 32 and the products summed in "
-        "integers; its logits stay float32 arithmetic."
+        "attention still computes in float32. q4_1 holds the weights llama.cpp's row reads "
+        "(the GGUF's Q4_1 linear maps and Q8_0 logits) exactly, in float32 arithmetic; q4_1_q8 "
+        "holds the same and computes its linear maps as llama.cpp does, each input rounded to 8 "
+        "bits per group of 32 and the products summed in integers; its logits stay float32 "
+        "arithmetic."
     )
+
+
+# The W1 rows of narrower packed weights, by dtype.
+SEATED_WEIGHT_ROWS = {
+    "q4_1": "offline, the GGUF's Q4_1 weights (`--packed-weight-dtype q4_1`, auto's pick for them)",
+    "q4_1_q8": "offline, llama.cpp's Q4_1 weights and arithmetic (`--packed-weight-dtype q4_1_q8`)",
+}
 
 
 def _w1_row(name: str, summary: dict, failed: int = 0) -> list[object]:
