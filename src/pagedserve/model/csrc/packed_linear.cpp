@@ -472,17 +472,18 @@ bool is_weight_type(at::ScalarType type) {
   return type == at::kFloat || type == at::kBFloat16 || type == at::kChar;
 }
 
-// A float32 value per output feature, readable for whole panels: the tensor's own data when the
-// features fill their panels (no copy per call), else a copy padded with zeros, kept in `padded`.
+// A float32 value per output feature, readable for `readable` features (whole panels for the
+// float tiles): the tensor's own data when it has that many (no copy per call), else a copy padded
+// with zeros, kept in `padded`.
 const float* per_feature(const std::optional<at::Tensor>& values, int64_t features,
-                         int64_t panels, const char* name, at::Tensor& padded) {
+                         int64_t readable, const char* name, at::Tensor& padded) {
   if (!values.has_value()) return nullptr;
   TORCH_CHECK(values->dim() == 1 && values->size(0) == features &&
                   values->scalar_type() == at::kFloat,
               "packed_linear: ", name, " must be float32 of ", features, " features, got ",
               values->sizes(), " ", values->scalar_type());
-  if (features == panels * kPanel && values->is_contiguous()) return values->data_ptr<float>();
-  padded = at::zeros({panels * kPanel}, at::kFloat);
+  if (features == readable && values->is_contiguous()) return values->data_ptr<float>();
+  padded = at::zeros({readable}, at::kFloat);
   padded.narrow(0, 0, features).copy_(*values);
   return padded.data_ptr<float>();
 }
@@ -573,10 +574,9 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
   TORCH_CHECK((type == at::kChar) == scale.has_value(),
               "packed_linear: scale is required for int8 panels and only for them");
   at::Tensor padded_bias;
-  if (is_q4_1_q8(packed_weight)) {
-    const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  if (is_q4_1_q8(packed_weight)) {  // its tiles read only the real features
     return q4_1_q8_linear(input, packed_weight, out_features,
-                          per_feature(bias, out_features, panels, "bias", padded_bias));
+                          per_feature(bias, out_features, out_features, "bias", padded_bias));
   }
   const int64_t num_rows = input.size(0), in_features = input.size(1);
   const bool blocks = type == at::kByte;  // Q4_1 or Q8_0, told apart by their block size
@@ -597,7 +597,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
               "packed_linear: out_features ", out_features, " does not fit ", panels, " panels of ",
               kPanel);
   at::Tensor padded_scale;
-  const float* bias_data = per_feature(bias, out_features, panels, "bias", padded_bias);
+  const float* bias_data = per_feature(bias, out_features, panels * kPanel, "bias", padded_bias);
   const at::Tensor x = input.contiguous();
   at::Tensor out = at::empty({num_rows, out_features}, input.options());
   const auto run = [&](auto weights, Epilogue epilogue) {
@@ -625,7 +625,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
     }
     case at::kChar:
       run(packed_weight.const_data_ptr<int8_t>(),
-          {bias_data, per_feature(scale, out_features, panels, "scale", padded_scale)});
+          {bias_data, per_feature(scale, out_features, panels * kPanel, "scale", padded_scale)});
       break;
     case at::kBFloat16: run(packed_weight.const_data_ptr<at::BFloat16>(), unscaled); break;
     default: run(packed_weight.const_data_ptr<float>(), unscaled);
