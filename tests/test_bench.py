@@ -544,6 +544,9 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         assert f"| {SEATED_WEIGHT_ROWS[dtype]} |" in report
     # The target rows run float32 packed weights, whatever auto would pick.
     assert "the rows below set float32 unless they say otherwise) | float32 |" in report
+    # and so do the commands shown beside them: both policies, the baseline, the sweep, bench
+    # serve's server, and W1's offline and server commands.
+    assert report.count("--packed-weight-dtype float32") == 7
     baseline = raw["transformers_baseline"]
     assert [run["batch_size"] for run in baseline] == [2, 1, 2]
     assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report

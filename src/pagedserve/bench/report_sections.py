@@ -28,6 +28,12 @@ class Context:
     def dtype(self) -> str:
         return str(self.setup.dtype).removeprefix("torch.")
 
+    @property
+    def weights_flag(self) -> str:
+        """The flag that pins the runs' packed weights, for the commands shown beside them."""
+        dtype = self.setup.packed_weight_dtype
+        return "" if dtype is None else f" --packed-weight-dtype {dtype}"
+
     def ideal(self, batch: int) -> float:
         """Tokens/s (prompt and output alike) the hardware allows at this batch size."""
         return self.setup.cost.ideal_tokens_per_s(self.ceilings, self.dtype, batch)
@@ -217,7 +223,9 @@ def w1_policies(context: Context, runs: list[OfflineRun], durations: dict[str, l
     """runs: each policy's fastest run; durations: every run's, by policy, in the order run."""
     batch = runs[0].batch_size
     ours, static = (run.summary() for run in runs)
-    command = f"pagedserve bench throughput --dataset w1 --max-num-seqs {batch}"
+    command = (
+        f"pagedserve bench throughput --dataset w1 --max-num-seqs {batch}{context.weights_flag}"
+    )
     plots.policies_plot(runs, context.plots_dir / "w1_policies.png")
     return _join(
         "## Continuous against static batching on W1",
@@ -331,7 +339,7 @@ def transformers_baseline(context: Context, runs: list[OfflineRun]) -> str:
         _code(
             f"pagedserve bench throughput --dataset w1 --num-prompts {count} "
             f"--max-num-seqs {count} --baseline transformers "
-            f"--baseline-batch-sizes {','.join(sizes)}"
+            f"--baseline-batch-sizes {','.join(sizes)}{context.weights_flag}"
         ),
         _offline_rows(context, runs),
         f"Our engine: **{_ratio(ours, best)}** the output tokens/s of transformers' `generate` "
@@ -430,7 +438,7 @@ def sweep(context: Context, points: list[dict], config) -> str:
         "max_num_seqs b.)",
         _code(
             f"pagedserve bench sweep --batch-sizes {sizes} --prompt-len {prompt_len} "
-            f"--output-len {output_len} --slo {slo_arg}"
+            f"--output-len {output_len} --slo {slo_arg}{context.weights_flag}"
         ),
         sweep_table(
             points,
@@ -474,7 +482,7 @@ def serving(context: Context, summary: dict, config, batch: int) -> str:
         f"arriving as a Poisson process at {config.serve_rate:g} request/s. Output token counts "
         "come from the server's usage chunk.",
         _code(
-            f"pagedserve serve --max-num-seqs {batch} &",
+            f"pagedserve serve --max-num-seqs {batch}{context.weights_flag} &",
             f"pagedserve bench serve --dataset random --num-prompts {spec.num_prompts} "
             f"--input-len {inputs} --output-len {outputs} --request-rate {config.serve_rate:g} "
             f"--slo {slo_arg}",

@@ -297,7 +297,7 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
     )
     if rss is None:
         memory = "This system has no /proc, so the server's peak memory was not read."
-    seats = config.w1_all_seated
+    seats, flag = config.w1_all_seated, context.weights_flag
     return "\n\n".join(
         part
         for part in [
@@ -311,8 +311,8 @@ def _w1_all_seated(context: Context, figures: SpeedFigures, config) -> str:
             "`--parallel` slots. llama.cpp's rows are greedy argmax over its logits, timed as "
             "ours are.",
             "```sh\n"
-            f"pagedserve bench throughput --dataset w1 --max-num-seqs {seats}\n"
-            f"pagedserve serve --max-num-seqs {seats} &\n"
+            f"pagedserve bench throughput --dataset w1 --max-num-seqs {seats}{flag}\n"
+            f"pagedserve serve --max-num-seqs {seats}{flag} &\n"
             "pagedserve bench serve --dataset w1\n```",
             markdown_table(header, rows),
             _seated_rounds_note(figures),
