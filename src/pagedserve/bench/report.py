@@ -55,8 +55,6 @@ logger = logging.getLogger(__name__)
 POLICIES = ("continuous", "static")
 # Packed weight dtypes run beside float32 (--packed-weight-dtype): fewer bytes per decode step.
 NARROW_WEIGHT_DTYPES = ("bfloat16", "int8", "q4_1", "q4_1_q8")
-# Those W1 also runs with, every request seated: q4_1 is what auto packs the default model as.
-SEATED_WEIGHT_DTYPES = ("q4_1", "q4_1_q8")
 T = TypeVar("T")
 
 
@@ -253,9 +251,12 @@ def _w1_seated_rounds(
     config: ReportConfig, requests: list[BenchRequest], stages: _Stages
 ) -> tuple[list[OfflineRun], list[OfflineRun], dict[str, list[OfflineRun]], list[dict]]:
     """W1 with every request seated, round after round: offline, offline with a bfloat16 KV
-    cache, offline with each of SEATED_WEIGHT_DTYPES, then over HTTP."""
+    cache, offline with each packed weight dtype that has a row (SEATED_WEIGHT_ROWS), then over
+    HTTP."""
     seated, narrow_kv, http = [], [], []
-    narrow_weights: dict[str, list[OfflineRun]] = {dtype: [] for dtype in SEATED_WEIGHT_DTYPES}
+    narrow_weights: dict[str, list[OfflineRun]] = {
+        dtype: [] for dtype in speed_sections.SEATED_WEIGHT_ROWS
+    }
     offline = partial(_w1_run, config, requests, "continuous", config.w1_all_seated)
     for round_ in range(1, config.w1_seated_rounds + 1):
         seated.append(stages.run(f"W1 all seated {round_}", offline))

@@ -349,7 +349,8 @@ def _seated_rounds_note(figures: SpeedFigures) -> str:
     )
 
 
-# The W1 rows of narrower packed weights, by dtype.
+# The W1 rows of narrower packed weights, by dtype: W1 with every request seated runs each of
+# them (q4_1 is what auto packs the default model as).
 SEATED_WEIGHT_ROWS = {
     "q4_1": "offline, the GGUF's Q4_1 weights (`--packed-weight-dtype q4_1`, auto's pick for them)",
     "q4_1_q8": "offline, llama.cpp's Q4_1 weights and arithmetic (`--packed-weight-dtype q4_1_q8`)",
