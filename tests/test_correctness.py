@@ -178,7 +178,12 @@ def _inputs_rounded_to_q8(module: torch.nn.Module, args: tuple) -> tuple:
     return ((values * scales).view(x.shape),)
 
 
-_PANEL_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8, "q4_1": torch.uint8}
+_PANEL_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "q8_0": torch.uint8,
+    "q4_1": torch.uint8,
+}
 
 
 @pytest.mark.parametrize(
@@ -186,6 +191,7 @@ _PANEL_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8, "q4_1": torch.u
     [
         ("bfloat16", _rounded_to_bfloat16, _rounded_to_bfloat16),
         ("int8", _quantized_to_int8, _quantized_to_int8),
+        ("q8_0", _quantized_to_q8_0, _quantized_to_q8_0),
         ("q4_1", _quantized_to_q4_1, _quantized_to_q8_0),
     ],
 )

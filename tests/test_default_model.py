@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import gguf
 import pytest
 import torch
 from conftest import reference_greedy
@@ -68,6 +71,47 @@ def test_auto_packs_a_q4_1_gguf_as_q4_1_and_other_checkpoints_as_float32(llm, ti
     assert llm.engine.runner.packed_weight_dtype == "q4_1"
     other = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=8)
     assert other.engine.runner.packed_weight_dtype == "float32"
+
+
+@pytest.fixture(scope="module")
+def q8_0_gguf(tmp_path_factory) -> Path:
+    """The default model's GGUF file with its Q4_1 linear maps quantized again as Q8_0, as
+    llama.cpp stores a Q8_0 file; its metadata and other tensors are copied as they are."""
+    reader = gguf.GGUFReader(default_gguf_path())
+    path = tmp_path_factory.mktemp("q8_0") / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    writer = gguf.GGUFWriter(path, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name != "general.architecture" and not field.name.startswith("GGUF."):
+            value_type = field.types[0]
+            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    for tensor in reader.tensors:
+        data, tensor_type = tensor.data, tensor.tensor_type
+        if tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            weights = gguf.quants.dequantize(data, tensor_type)
+            tensor_type = gguf.GGMLQuantizationType.Q8_0
+            data = gguf.quants.quantize(weights, tensor_type)
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_auto_packs_a_q8_0_gguf_as_q8_0_with_greedy_equal_to_transformers(
+    q8_0_gguf, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))  # its conversion, gone afterwards
+    llm = LLM(str(q8_0_gguf), dtype="float32")
+    assert llm.engine.runner.packed_weight_dtype == "q8_0"
+    assert gguf_linear_types(resolve_model_dir(str(q8_0_gguf))) == {"Q8_0"}
+    model = AutoModelForCausalLM.from_pretrained(
+        str(q8_0_gguf.parent), gguf_file=q8_0_gguf.name, dtype=torch.float32
+    )
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for output in llm.generate(list(PROMPTS), params):
+        assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)
 
 
 def test_a_conversion_cached_without_the_linear_types_gains_them(default_model_dir):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 SCHEDULER_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES  # auto: the model's dtype
-PACKED_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "q4_1", "q4_1_q8")
+PACKED_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "q8_0", "q4_1", "q4_1_q8")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -36,11 +36,12 @@ class EngineConfig:
     cpu_kernels: bool = True
     # What those packed weights are stored as; the arithmetic stays float32 but for q4_1_q8.
     # bfloat16 halves the bytes each decode step reads, and rounds the weights; int8 quarters
-    # them, each output feature quantized with its own scale; q4_1 (llama.cpp's format, 5 bits a
-    # weight) holds a Q4_1 GGUF's weights exactly, with Q8_0 logits; q4_1_q8 stores the same and
-    # computes as llama.cpp does, in integers against inputs rounded to 8 bits (AVX2 CPUs).
-    # auto: q4_1 for a GGUF file whose linear maps are all Q4_1 (the default model), so that its
-    # own weights are what each step reads, as vLLM serves a GGUF file; else float32.
+    # them, each output feature quantized with its own scale; q8_0 and q4_1 (llama.cpp's formats,
+    # 8.5 and 5 bits a weight) hold a Q8_0 or Q4_1 GGUF's weights exactly (q4_1 with Q8_0
+    # logits); q4_1_q8 stores q4_1's blocks and computes as llama.cpp does, in integers against
+    # inputs rounded to 8 bits (AVX2 CPUs). auto: q4_1 or q8_0 for a GGUF file whose linear maps
+    # are all Q4_1 (the default model) or all Q8_0, so that its own weights are what each step
+    # reads, as vLLM serves a GGUF file; else float32.
     packed_weight_dtype: str = "auto"
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True

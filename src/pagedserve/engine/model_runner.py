@@ -53,11 +53,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
+# The packed dtype that holds GGUF linear maps of one quantization type exactly, in a fraction
+# of float32's bytes (Q4_1: 5/32, Q8_0: 8.5/32).
+_PACKED_DTYPE_OF_GGUF_TYPE = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+
+
 def resolve_packed_weight_dtype(name: str, model_dir: Path) -> str:
     if name != "auto":
         return name
-    # Q4_1 maps packed as q4_1 are the file's weights exactly, read in a third of float32's bytes.
-    return "q4_1" if gguf_linear_types(model_dir) == {"Q4_1"} else "float32"
+    types = gguf_linear_types(model_dir)
+    if len(types) == 1:
+        return _PACKED_DTYPE_OF_GGUF_TYPE.get(types.pop(), "float32")
+    return "float32"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -19,9 +19,9 @@ BYTES_PER_WEIGHT = {
 
 def logits_weight_dtype(weight_dtype: str) -> str:
     """What the output projection is packed as when the other linear maps are weight_dtype. For
-    q4_1 and q4_1_q8, q8_0, as GGUF checkpoints keep it: 4-bit logits lose the most, and int8 ones
-    with a scale per output feature changed greedy outputs that q8_0 ones leave as float32 has
-    them."""
+    q4_1 and q4_1_q8, q8_0, as Q4_1 GGUF checkpoints keep it: 4-bit logits lose the most, and int8
+    ones with a scale per output feature changed greedy outputs that q8_0 ones leave as float32
+    has them."""
     return "q8_0" if weight_dtype in ("q4_1", "q4_1_q8") else weight_dtype
 
 
