@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -209,6 +211,20 @@ def test_narrow_packed_weights_match_transformers_on_the_weights_they_hold(
     model = _with_weights_held(tiny_checkpoint(architecture), stand_in, logits_stand_in)
     expected = [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
     assert _generate(llm) == expected
+
+
+def test_auto_packs_a_bfloat16_checkpoint_as_bfloat16_with_greedy_equal_to_transformers(
+    tiny_checkpoint, tmp_path
+):
+    """A checkpoint stored in bfloat16 is packed as bfloat16, which holds its weights exactly:
+    the greedy outputs are float32's on those weights."""
+    shutil.copytree(tiny_checkpoint("llama"), tmp_path, dirs_exist_ok=True)  # tokenizer files
+    stored = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.bfloat16)
+    stored.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32")
+    assert llm.engine.runner.packed_weight_dtype == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert _generate(llm) == [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
 
 
 def _with_weights_held(checkpoint, stand_in, logits_stand_in):

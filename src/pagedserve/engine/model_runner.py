@@ -12,7 +12,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
-from pagedserve.model.checkpoint import load_model
+from pagedserve.model.checkpoint import load_model, stored_matrix_dtypes
 from pagedserve.model.kernels import cpu_kernels_available
 from pagedserve.model.layers import can_use_cpu_kernels
 from pagedserve.model.sampler import (
@@ -62,9 +62,12 @@ def resolve_packed_weight_dtype(name: str, model_dir: Path) -> str:
     if name != "auto":
         return name
     types = gguf_linear_types(model_dir)
-    if len(types) == 1:
-        return _PACKED_DTYPE_OF_GGUF_TYPE.get(types.pop(), "float32")
-    return "float32"
+    if types:  # converted from a GGUF file, whose linear maps may share one type
+        only_type = types.pop() if len(types) == 1 else None
+        return _PACKED_DTYPE_OF_GGUF_TYPE.get(only_type, "float32")
+    # A checkpoint stored in bfloat16, as most are published, is held exactly in half float32's
+    # bytes.
+    return "bfloat16" if stored_matrix_dtypes(model_dir) == {"BF16"} else "float32"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -34,11 +34,28 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Dec
     return model.eval()
 
 
-def _read_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def stored_matrix_dtypes(model_dir: Path) -> set[str]:
+    """The safetensors dtypes (e.g. {"BF16"}) that the checkpoint stores its matrices in: its
+    linear maps and embeddings. Only the files' headers are read."""
+    dtypes = set()
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                stored = handle.get_slice(name)
+                if len(stored.get_shape()) == 2:
+                    dtypes.add(stored.get_dtype())
+    return dtypes
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"model directory {model_dir} has no *.safetensors weights")
-    for path in files:
+    return files
+
+
+def _read_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
                 yield name, handle.get_tensor(name)
