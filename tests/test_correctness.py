@@ -222,7 +222,7 @@ def test_auto_packs_a_bfloat16_checkpoint_as_bfloat16_with_greedy_equal_to_trans
     stored = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.bfloat16)
     stored.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), dtype="float32")
-    assert llm.engine.runner.packed_weight_dtype == "bfloat16"
+    assert llm.engine.runner.packed_weight_dtypes == ("bfloat16", "bfloat16")
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert _generate(llm) == [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
 

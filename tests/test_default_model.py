@@ -12,7 +12,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.quantization import quantize_q4_1, quantize_q8_0
-from pagedserve.model.source import default_gguf_path, gguf_linear_types, resolve_model_dir
+from pagedserve.model.source import (
+    GGUFTensorTypes,
+    default_gguf_path,
+    gguf_tensor_types,
+    resolve_model_dir,
+)
 
 PROMPTS = (
     "The history of the Roman Empire",
@@ -68,28 +73,33 @@ def test_q4_1_holds_the_gguf_weights_exactly(gguf_reference):
 
 
 def test_auto_packs_a_q4_1_gguf_as_q4_1_and_other_checkpoints_as_float32(llm, tiny_checkpoint):
-    assert llm.engine.runner.packed_weight_dtype == "q4_1"
+    assert llm.engine.runner.packed_weight_dtypes == ("q4_1", "q8_0")  # token_embd is Q8_0
     other = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=8)
-    assert other.engine.runner.packed_weight_dtype == "float32"
+    assert other.engine.runner.packed_weight_dtypes == ("float32", "float32")
 
 
-@pytest.fixture(scope="module")
-def q8_0_gguf(tmp_path_factory) -> Path:
-    """The default model's GGUF file with its Q4_1 linear maps quantized again as Q8_0, as
-    llama.cpp stores a Q8_0 file; its metadata and other tensors are copied as they are."""
+def _requantized_gguf(
+    path: Path, map_type: gguf.GGMLQuantizationType, embedding_type: gguf.GGMLQuantizationType
+) -> Path:
+    """Writes the default model's GGUF file to path with its Q4_1 linear maps stored again as
+    map_type and its Q8_0 (tied) embeddings as embedding_type, as llama.cpp would store them;
+    its metadata and other tensors are copied as they are."""
     reader = gguf.GGUFReader(default_gguf_path())
-    path = tmp_path_factory.mktemp("q8_0") / "SmolLM2-135M-Instruct.Q8_0.gguf"
     writer = gguf.GGUFWriter(path, reader.fields["general.architecture"].contents())
     for field in reader.fields.values():
         if field.name != "general.architecture" and not field.name.startswith("GGUF."):
             value_type = field.types[0]
             sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    stored_as = {
+        gguf.GGMLQuantizationType.Q4_1: map_type,
+        gguf.GGMLQuantizationType.Q8_0: embedding_type,
+    }
     for tensor in reader.tensors:
         data, tensor_type = tensor.data, tensor.tensor_type
-        if tensor_type == gguf.GGMLQuantizationType.Q4_1:
+        if tensor_type in stored_as:
             weights = gguf.quants.dequantize(data, tensor_type)
-            tensor_type = gguf.GGMLQuantizationType.Q8_0
+            tensor_type = stored_as[tensor_type]
             data = gguf.quants.quantize(weights, tensor_type)
         writer.add_tensor(tensor.name, data, raw_dtype=tensor_type)
     writer.write_header_to_file()
@@ -99,26 +109,40 @@ def q8_0_gguf(tmp_path_factory) -> Path:
     return path
 
 
-def test_auto_packs_a_q8_0_gguf_as_q8_0_with_greedy_equal_to_transformers(
-    q8_0_gguf, monkeypatch, tmp_path
+@pytest.mark.parametrize(
+    ("map_type", "embedding_type", "packed_as"),
+    [
+        ("Q8_0", "Q8_0", ("q8_0", "q8_0")),
+        # Neither bfloat16 nor Q8_0 holds float16 embeddings exactly; float32 does.
+        ("BF16", "F16", ("bfloat16", "float32")),
+    ],
+)
+def test_auto_packs_a_gguf_as_its_own_types_with_greedy_equal_to_transformers(
+    map_type, embedding_type, packed_as, monkeypatch, tmp_path
 ):
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))  # its conversion, gone afterwards
-    llm = LLM(str(q8_0_gguf), dtype="float32")
-    assert llm.engine.runner.packed_weight_dtype == "q8_0"
-    assert gguf_linear_types(resolve_model_dir(str(q8_0_gguf))) == {"Q8_0"}
+    types = gguf.GGMLQuantizationType
+    path = _requantized_gguf(
+        tmp_path / f"SmolLM2-135M-Instruct.{map_type}.gguf", types[map_type], types[embedding_type]
+    )
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # its conversion, gone after
+    llm = LLM(str(path), dtype="float32")
+    assert gguf_tensor_types(resolve_model_dir(str(path))) == GGUFTensorTypes(
+        frozenset({map_type}), embedding_type
+    )
+    assert llm.engine.runner.packed_weight_dtypes == packed_as
     model = AutoModelForCausalLM.from_pretrained(
-        str(q8_0_gguf.parent), gguf_file=q8_0_gguf.name, dtype=torch.float32
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for output in llm.generate(list(PROMPTS), params):
         assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)
 
 
-def test_a_conversion_cached_without_the_linear_types_gains_them(default_model_dir):
-    (default_model_dir / "gguf-linear-types.json").unlink()
-    assert gguf_linear_types(default_model_dir) == set()
+def test_a_conversion_cached_without_the_tensor_types_gains_them(default_model_dir):
+    (default_model_dir / "gguf-tensor-types.json").unlink()
+    assert gguf_tensor_types(default_model_dir) is None
     assert resolve_model_dir(None) == default_model_dir
-    assert gguf_linear_types(default_model_dir) == {"Q4_1"}
+    assert gguf_tensor_types(default_model_dir) == GGUFTensorTypes(frozenset({"Q4_1"}), "Q8_0")
 
 
 def test_float32_packed_greedy_matches_transformers_on_the_gguf(gguf_reference):

@@ -57,14 +57,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=PACKED_WEIGHT_DTYPES,
         default=defaults["packed_weight_dtype"],
         help="float32 on CPU: store the packed linear weights as this (float32 arithmetic but for "
-        "q4_1_q8); auto is q4_1 or q8_0 for a GGUF file whose linear maps are all Q4_1 (the "
-        "default model) or all Q8_0, bfloat16 for a checkpoint stored in bfloat16, else "
-        "float32; bfloat16 halves the bytes a decode step reads and rounds the weights, int8 "
-        "quarters them and quantizes each output feature with its own scale, q8_0 and q4_1 "
-        "store 8.5 and 5 bits a weight in llama.cpp's formats (a Q8_0 or Q4_1 GGUF's weights "
-        "exactly; q4_1 with Q8_0 logits), q4_1_q8 stores q4_1's blocks and computes as "
-        "llama.cpp does, in integers against each linear map's inputs rounded to 8 bits per "
-        "group of 32 (AVX2 CPUs)",
+        "q4_1_q8); auto is q4_1, q8_0 or bfloat16 for a GGUF file whose linear maps are all Q4_1 "
+        "(the default model), Q8_0 or BF16, chosen alike for its logits' weights, bfloat16 for a "
+        "checkpoint stored in bfloat16, else float32; bfloat16 halves the bytes a decode step "
+        "reads and rounds the weights, int8 quarters them and quantizes each output feature with "
+        "its own scale, q8_0 and q4_1 store 8.5 and 5 bits a weight in llama.cpp's formats (a "
+        "Q8_0 or Q4_1 GGUF's weights exactly; q4_1 with Q8_0 logits), q4_1_q8 stores q4_1's "
+        "blocks and computes as llama.cpp does, in integers against each linear map's inputs "
+        "rounded to 8 bits per group of 32 (AVX2 CPUs)",
     )
     group.add_argument(
         "--no-decode-kernel",

@@ -40,13 +40,14 @@ class EngineSetup:
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineSetup:
         runner = engine.runner
+        packed = runner.packed_weight_dtypes
         return cls(
             engine.model_dir,
             runner.dtype,
             runner.device,
             KvLayout.of(engine),
             model_cost(runner.model),
-            runner.packed_weight_dtype,
+            None if packed is None else packed.linear_maps,
         )
 
 

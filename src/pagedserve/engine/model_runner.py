@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,6 +16,7 @@ from pagedserve.model.attention import AttentionBatch
 from pagedserve.model.checkpoint import load_model, stored_matrix_dtypes
 from pagedserve.model.kernels import cpu_kernels_available
 from pagedserve.model.layers import can_use_cpu_kernels
+from pagedserve.model.quantization import logits_weight_dtype
 from pagedserve.model.sampler import (
     LogprobsRequest,
     LogprobsTensors,
@@ -25,7 +27,7 @@ from pagedserve.model.sampler import (
     sample,
     torch_row_argmax,
 )
-from pagedserve.model.source import gguf_linear_types
+from pagedserve.model.source import gguf_tensor_types
 from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.timing import PhaseTimer
 
@@ -53,21 +55,37 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
-# The packed dtype that holds GGUF linear maps of one quantization type exactly, in a fraction
-# of float32's bytes (Q4_1: 5/32, Q8_0: 8.5/32).
-_PACKED_DTYPE_OF_GGUF_TYPE = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+# The packed dtype that holds a GGUF tensor of one quantization type exactly, in a fraction of
+# float32's bytes (Q4_1: 5/32, Q8_0: 8.5/32, BF16: 1/2); float32 holds any type exactly.
+_PACKED_DTYPE_OF_GGUF_TYPE = {"Q4_1": "q4_1", "Q8_0": "q8_0", "BF16": "bfloat16"}
 
 
-def resolve_packed_weight_dtype(name: str, model_dir: Path) -> str:
+class PackedWeightDtypes(NamedTuple):
+    linear_maps: str
+    logits: str  # the output projection's
+
+
+def resolve_packed_weight_dtypes(name: str, model_dir: Path) -> PackedWeightDtypes:
+    """What --packed-weight-dtype name packs the linear maps and the logits as. auto picks, for
+    each, a dtype that holds the checkpoint's weights exactly."""
     if name != "auto":
-        return name
-    types = gguf_linear_types(model_dir)
-    if types:  # converted from a GGUF file, whose linear maps may share one type
-        only_type = types.pop() if len(types) == 1 else None
-        return _PACKED_DTYPE_OF_GGUF_TYPE.get(only_type, "float32")
+        return PackedWeightDtypes(name, logits_weight_dtype(name))
+    gguf_types = gguf_tensor_types(model_dir)
+    if gguf_types is not None:
+        return PackedWeightDtypes(
+            _exact_packed_dtype(gguf_types.linear_maps), _exact_packed_dtype({gguf_types.logits})
+        )
     # A checkpoint stored in bfloat16, as most are published, is held exactly in half float32's
     # bytes.
-    return "bfloat16" if stored_matrix_dtypes(model_dir) == {"BF16"} else "float32"
+    dtype = "bfloat16" if stored_matrix_dtypes(model_dir) == {"BF16"} else "float32"
+    return PackedWeightDtypes(dtype, dtype)
+
+
+def _exact_packed_dtype(gguf_types: Set[str]) -> str:
+    if len(gguf_types) != 1:
+        return "float32"
+    (gguf_type,) = gguf_types
+    return _PACKED_DTYPE_OF_GGUF_TYPE.get(gguf_type, "float32")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -81,12 +99,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(model_dir, self.dtype, self.device)
         # None: the linear weights are used as loaded, by F.linear.
-        self.packed_weight_dtype: str | None = None
+        self.packed_weight_dtypes: PackedWeightDtypes | None = None
         if config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype):
-            self.packed_weight_dtype = resolve_packed_weight_dtype(
+            self.packed_weight_dtypes = resolve_packed_weight_dtypes(
                 config.packed_weight_dtype, model_dir
             )
-            self.model.use_cpu_kernels(self.packed_weight_dtype)
+            self.model.use_cpu_kernels(*self.packed_weight_dtypes)
         elif config.packed_weight_dtype not in ("auto", "float32"):
             logger.warning(
                 "packed_weight_dtype %s ignored: weights are packed for float32 on CPU only, "
@@ -95,7 +113,7 @@ class ModelRunner:
             )
         self.model_config = self.model.config
         self.row_argmax: RowArgmax = torch_row_argmax
-        if self.packed_weight_dtype is not None:  # float32 logits, with the C++ kernels
+        if self.packed_weight_dtypes is not None:  # float32 logits, with the C++ kernels
             self.row_argmax = torch.ops.pagedserve.row_argmax
         self.decode_in_place = (
             config.decode_kernel and self.device.type == "cpu" and cpu_kernels_available()
@@ -118,8 +136,11 @@ class ModelRunner:
     def weights_summary(self) -> str:
         """For the start-up log, e.g. "float32 on cpu, linear weights packed as bfloat16"."""
         summary = f"{_dtype_name(self.dtype)} on {self.device}"
-        if self.packed_weight_dtype is not None:
-            summary += f", linear weights packed as {self.packed_weight_dtype}"
+        if self.packed_weight_dtypes is not None:
+            maps, logits = self.packed_weight_dtypes
+            summary += f", linear weights packed as {maps}"
+            if logits != maps:
+                summary += f" (the logits' as {logits})"
         if self.kv_cache_dtype != self.dtype:
             summary += f", KV cache {_dtype_name(self.kv_cache_dtype)}"
         return summary

@@ -16,7 +16,6 @@ from pagedserve.model.layers import (
     RotaryEmbedding,
     SwiGLU,
 )
-from pagedserve.model.quantization import logits_weight_dtype
 
 
 class DecoderLayer(nn.Module):
@@ -128,13 +127,12 @@ class DecoderModel(nn.Module):
             return self.packed_embeddings(hidden)
         return F.linear(hidden, self.embed_tokens).float()
 
-    def use_cpu_kernels(self, weight_dtype: str) -> None:
-        """Packs every linear map's weight, as weight_dtype, for the C++ product (see
-        PackedWeight) and turns on the other C++ kernels: RMSNorm, SwiGLU, and, where no query
-        and key norms come first, the rotation with the cache write and whole layers in one call
-        for decode-only steps. Tied embeddings keep their plain copy for the lookup and gain a
-        packed one for the logits, which may be packed otherwise (see logits_weight_dtype)."""
-        logits_dtype = logits_weight_dtype(weight_dtype)
+    def use_cpu_kernels(self, weight_dtype: str, logits_dtype: str) -> None:
+        """Packs every linear map's weight, as weight_dtype (the output projection's as
+        logits_dtype), for the C++ product (see PackedWeight) and turns on the other C++ kernels:
+        RMSNorm, SwiGLU, and, where no query and key norms come first, the rotation with the
+        cache write and whole layers in one call for decode-only steps. Tied embeddings keep
+        their plain copy for the lookup and gain a packed one for the logits."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_weight(logits_dtype if module is self.lm_head else weight_dtype)

