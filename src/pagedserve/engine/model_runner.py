@@ -140,7 +140,7 @@ class ModelRunner:
             maps, logits = self.packed_weight_dtypes
             summary += f", linear weights packed as {maps}"
             if logits != maps:
-                summary += f" (the logits' as {logits})"
+                summary += f", the logits' as {logits}"
         if self.kv_cache_dtype != self.dtype:
             summary += f", KV cache {_dtype_name(self.kv_cache_dtype)}"
         return summary
