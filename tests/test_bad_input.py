@@ -19,6 +19,7 @@ def llm(tiny_checkpoint) -> LLM:
     [
         ({"max_tokens": 0}, ["max_tokens", "greater than or equal to 1"]),
         ({"temperature": -0.5}, ["temperature", "greater than or equal to 0"]),
+        ({"temperature": float("inf")}, ["temperature", "finite"]),
         ({"top_p": 0.0}, ["top_p", "greater than 0"]),
         ({"top_p": 1.5}, ["top_p", "less than or equal to 1"]),
         ({"min_p": 2.0}, ["min_p", "less than or equal to 1"]),
@@ -44,6 +45,8 @@ def test_sampling_field_errors_name_the_field(fields, expected):
         ([7] * 1024, None, ["prompt", "1024 tokens", "context is 1024"]),
         ([7] * 1000, SamplingParams(max_tokens=100), ["max_tokens", "context of 1024"]),
         ([7] * 600, SamplingParams(max_tokens=100), ["KV cache", "640 tokens"]),
+        ([7] * 700, SamplingParams(max_tokens=None), ["700 tokens", "KV cache holds 640 tokens"]),
+        (GOOD_PROMPT, SamplingParams(stop_token_ids=[49152], min_tokens=2), ["stop_token_ids"]),
         ({"prompt_token_ids": [1], "extra": 1}, None, ["extra"]),
     ],
 )
@@ -78,8 +81,9 @@ def test_generate_validates_every_prompt_before_scheduling_any(llm):
 def test_engine_settings_are_checked(tiny_checkpoint):
     with pytest.raises(ValueError, match="scheduler must be one of"):
         LLM(str(tiny_checkpoint("llama")), scheduler="fastest")
-    with pytest.raises(ValueError, match="kv_cache_memory"):
-        LLM(str(tiny_checkpoint("llama")), kv_cache_memory="lots")
+    for size in ("lots", "1e400", ".."):
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            LLM(str(tiny_checkpoint("llama")), kv_cache_memory=size)
     with pytest.raises(ValueError, match="packed_weight_dtype must be one of"):
         LLM(str(tiny_checkpoint("llama")), packed_weight_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
@@ -94,3 +98,16 @@ def test_missing_model_files_are_named(tmp_path, tiny_checkpoint):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel"):
         LLM(str(tmp_path))
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_value_error(llm, monkeypatch):
+    # As Mistral's and Llama 2's templates do when roles do not alternate.
+    template = (
+        "{% if messages | length > 1 %}{{ raise_exception('roles must alternate') }}{% endif %}"
+        "{{ messages[0]['content'] }}"
+    )
+    monkeypatch.setattr(llm.get_tokenizer(), "chat_template", template)
+    twice = [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]
+    with pytest.raises(ValueError, match="roles must alternate"):
+        llm.chat(twice, SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()

@@ -32,6 +32,16 @@ def _stream(llm: LLM, prompt, params: SamplingParams):
     return "".join(pieces), token_ids, final
 
 
+def test_a_stream_closed_early_aborts_its_request(llm):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    stream = llm.engine.stream(PROMPT, params)
+    next(stream)
+    assert llm.engine.has_unfinished_requests()
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 def test_streamed_pieces_add_up_to_the_final_output(llm, greedy_run):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     text, token_ids, final = _stream(llm, PROMPT, params)

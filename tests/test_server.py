@@ -175,6 +175,7 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(server):
 BAD_REQUESTS = [
     ({"temperature": -1}, 400, "temperature"),
     ({"temperature": "hot"}, 400, "temperature"),
+    ({"stop_token_ids": [10**9], "min_tokens": 2}, 400, "stop_token_ids"),
     ({"max_tokens": 5000}, 400, "max_tokens"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"top_p": 1.5}, 400, "top_p"),
@@ -328,6 +329,15 @@ def test_logprobs_in_completions_and_chat(client):
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+
+
+def test_a_chat_without_max_tokens_may_run_to_the_end_of_the_context(client):
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 1024  # the tiny's context
 
 
 def test_penalties_and_sampling_fields_are_honoured(client):

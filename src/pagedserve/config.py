@@ -84,11 +84,15 @@ def parse_memory(value: str | int) -> int:
     if isinstance(value, int):
         amount = value
     else:
+        not_a_size = ValueError(f"kv_cache_memory {value!r} is not a size like '2GiB' or '512MB'")
         match = re.fullmatch(r"\s*([0-9.e+]+)\s*([a-zA-Z]*)\s*", value)
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _MEMORY_UNITS:
-            raise ValueError(f"kv_cache_memory {value!r} is not a size like '2GiB' or '512MB'")
-        amount = int(float(match.group(1)) * _MEMORY_UNITS[unit])
+            raise not_a_size
+        try:
+            amount = int(float(match.group(1)) * _MEMORY_UNITS[unit])
+        except (ValueError, OverflowError):  # "1e", "..", "1e400"
+            raise not_a_size from None
     if amount <= 0:
         raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
     return amount

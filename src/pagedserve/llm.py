@@ -7,11 +7,9 @@ from collections.abc import Sequence as SequenceOf
 from tqdm import tqdm
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, PromptInput
+from pagedserve.engine.llm_engine import Conversation, LLMEngine, PromptInput
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
-
-Conversation = list[dict[str, str]]
 
 
 class LLM:
@@ -37,15 +35,20 @@ class LLM:
             self.engine.make_sequence(prompt, params)
             for prompt, params in zip(prompt_list, params_list, strict=True)
         ]
-        for seq in seqs:
-            self.engine.submit(seq)
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(seqs), disable=not use_tqdm, desc="generate") as progress:
-            while len(results) < len(seqs):
-                for output in self.engine.step():
-                    if output.final is not None:
-                        results[output.request_id] = output.final
-                        progress.update(1)
+        try:
+            for seq in seqs:
+                self.engine.submit(seq)
+            with tqdm(total=len(seqs), disable=not use_tqdm, desc="generate") as progress:
+                while len(results) < len(seqs):
+                    for output in self.engine.step():
+                        if output.final is not None:
+                            results[output.request_id] = output.final
+                            progress.update(1)
+        finally:  # interrupted (Ctrl-C, an error): the next call must not step these again
+            for seq in seqs:
+                if seq.request_id not in results:
+                    self.engine.abort_request(seq.request_id)
         return [results[seq.request_id] for seq in seqs]
 
     def chat(
@@ -59,14 +62,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_token_ids(self, conversation: Conversation) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template")
-        return list(
-            tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
+        return self.engine.chat_token_ids(conversation)
 
 
 def _as_prompt_list(prompts) -> list[PromptInput]:

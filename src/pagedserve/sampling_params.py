@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class SamplingParams(BaseModel):
     """Unknown fields and out-of-range values raise a ValueError (pydantic's ValidationError)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Non-finite values are refused: an infinite temperature turns banned logits into NaN.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     n: int = Field(1, ge=1, description="samples of the prompt, sharing its KV blocks")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")

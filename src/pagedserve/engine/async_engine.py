@@ -84,6 +84,10 @@ class AsyncLLMEngine:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
+        # The engine may have stopped during the tokenization, after telling the streams it had.
+        if self.dead_error is not None:
+            self._streams.pop(request_id)
+            raise EngineDeadError("the engine stopped on an error") from self.dead_error
         self._commands.put(("add", seq))
         return self._iterate(request_id, stream)
 

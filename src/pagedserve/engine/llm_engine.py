@@ -8,9 +8,10 @@ import logging
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from pagedserve.config import EngineConfig
@@ -33,6 +34,7 @@ from pagedserve.timing import PhaseTimer
 
 logger = logging.getLogger(__name__)
 PromptInput = str | list[int] | dict
+Conversation = list[dict[str, str]]  # chat messages: role and content
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -41,7 +43,6 @@ class EngineStats:
     num_steps: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
-    finished_by_reason: dict[str, int] = field(default_factory=dict)
     # Tokens of admitted sequences looked up in the prefix cache, and those found there.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -144,6 +145,7 @@ class LLMEngine:
                 f"n {params.n} exceeds max_num_seqs {self.config.max_num_seqs}, the samples "
                 "that can run at once"
             )
+        self._check_stop_token_ids(params.stop_token_ids)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
         request_id = request_id or f"req-{next(self._request_counter)}"
@@ -197,14 +199,19 @@ class LLMEngine:
     def stream(
         self, prompt: PromptInput, params: SamplingParams | None = None
     ) -> Iterator[StepOutput]:
-        """Submits one request and steps the engine, yielding that request's pieces as they come."""
+        """Submits one request and steps the engine, yielding that request's pieces as they come.
+        Closing the iterator early aborts the request, which would otherwise keep its blocks."""
         request_id = self.add_request(prompt, params)
-        while True:
-            for output in self.step():
-                if output.request_id == request_id:
-                    yield output
-                    if output.finished:
-                        return
+        finished = False
+        try:
+            while not finished:
+                for output in self.step():
+                    if output.request_id == request_id and not finished:
+                        finished = output.finished
+                        yield output
+        finally:
+            if not finished:
+                self.abort_request(request_id)
 
     # The step.
 
@@ -314,8 +321,6 @@ class LLMEngine:
         self._requests.pop(first.request_id)
         completions = []
         for seq in sorted(request.samples, key=lambda s: s.sample_index):
-            reason = seq.finish_reason or "abort"
-            self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
             completions.append(
                 CompletionOutput(
                     index=seq.sample_index,
@@ -334,6 +339,20 @@ class LLMEngine:
             finished=True,
             metrics=first.metrics,
         )
+
+    def chat_token_ids(self, conversation: Conversation) -> list[int]:
+        """The conversation through the model's chat template, up to the assistant's turn to
+        come; ValueError when the model has no template or its template refuses the conversation
+        (some raise on roles that do not alternate)."""
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        try:
+            token_ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except TemplateError as error:
+            raise ValueError(f"the model's chat template refused the messages: {error}") from None
+        return list(token_ids)
 
     # Validation.
 
@@ -365,6 +384,14 @@ class LLMEngine:
             )
         return list(token_ids)
 
+    def _check_stop_token_ids(self, stop_token_ids: list[int]) -> None:
+        # The sampler bans them by index while a request is short of its min_tokens.
+        bad = next((t for t in stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"stop_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
+
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
         if prompt_len >= self.max_model_len:
             raise ValueError(
@@ -379,6 +406,12 @@ class LLMEngine:
             raise ValueError(
                 f"max_tokens {max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
                 f"model's context of {self.max_model_len} tokens"
+            )
+        if prompt_len >= capacity:
+            raise ValueError(
+                f"prompt is {prompt_len} tokens; the KV cache holds "
+                f"{self.block_manager.capacity_tokens} tokens, which must leave room for at least "
+                "one new token"
             )
         if prompt_len + max_tokens > capacity:
             raise ValueError(

@@ -47,7 +47,7 @@ class DecoderLayer(nn.Module):
         angles: RotaryAngles,
         batch: AttentionBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous layer's output, not yet added to residual, the residual stream;
+        """hidden: the previous layer's output, not yet added to residual (the residual stream);
         before the first layer, residual is None and hidden is the stream itself. Returns the same
         pair for the next layer, so that each add is done by the norm that follows it."""
         if residual is None:

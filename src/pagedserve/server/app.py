@@ -162,15 +162,8 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 def _chat_tokens(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    tokenizer = state.engine.engine.tokenizer
-    if tokenizer.chat_template is None:
-        raise ValueError("this model has no chat template; use /v1/completions")
     messages = [message.as_template_input() for message in body.messages]
-    return list(
-        tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    )
+    return state.engine.engine.chat_token_ids(messages)
 
 
 async def _submit(

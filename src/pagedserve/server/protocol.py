@@ -43,7 +43,6 @@ class _GenerationRequest(BaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         fields: dict[str, Any] = {
             "n": self.n,
-            "max_tokens": max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -58,7 +57,9 @@ class _GenerationRequest(BaseModel):
             "min_tokens": self.min_tokens,
             "logprobs": logprobs,
         }
-        return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+        # max_tokens None stays: up to the model's context, as OpenAI's chat API and vLLM do.
+        set_fields = {k: v for k, v in fields.items() if v is not None}
+        return SamplingParams(max_tokens=max_tokens, **set_fields)
 
     @property
     def include_usage(self) -> bool:
