@@ -145,7 +145,8 @@ class LLMEngine:
                 f"n {params.n} exceeds max_num_seqs {self.config.max_num_seqs}, the samples "
                 "that can run at once"
             )
-        self._check_stop_token_ids(params.stop_token_ids)
+        # The sampler bans stop ids by index while a request is short of its min_tokens.
+        self._check_in_vocabulary("stop_token_ids", params.stop_token_ids)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
         request_id = request_id or f"req-{next(self._request_counter)}"
@@ -377,20 +378,13 @@ class LLMEngine:
             raise ValueError("prompt_token_ids must be a list of integers")
         if not token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"prompt_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})"
-            )
+        self._check_in_vocabulary("prompt_token_ids", token_ids)
         return list(token_ids)
 
-    def _check_stop_token_ids(self, stop_token_ids: list[int]) -> None:
-        # The sampler bans them by index while a request is short of its min_tokens.
-        bad = next((t for t in stop_token_ids if not 0 <= t < self.vocab_size), None)
+    def _check_in_vocabulary(self, field: str, token_ids: list[int]) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(
-                f"stop_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})"
-            )
+            raise ValueError(f"{field} holds {bad}, outside the vocabulary [0, {self.vocab_size})")
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
         if prompt_len >= self.max_model_len:
