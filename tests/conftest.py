@@ -121,5 +121,5 @@ def _greedy_generate(model, prompt: list[int], max_new_tokens: int, **options):
 class ServerProcess(LocalServer):
     """A real `pagedserve serve` process on 127.0.0.1, stopped on close()."""
 
-    def __init__(self, *args: str):
-        super().__init__(list(args), startup_timeout=180.0)
+    def __init__(self, *args: str, program: list[str] | None = None):
+        super().__init__(list(args), startup_timeout=180.0, program=program)

@@ -27,6 +27,17 @@ def llm(tiny_checkpoint) -> LLM:
         ({"min_tokens": 9, "max_tokens": 4}, ["min_tokens", "max_tokens"]),
         ({"stop": [""]}, ["stop"]),
         ({"best_of_everything": 3}, ["best_of_everything", "not permitted"]),
+        # Checked in float32, as the sampler holds them: 5e-324 is 0 there, 1e39 infinite.
+        ({"top_p": 5e-324}, ["top_p", "float32"]),
+        ({"temperature": 1e39}, ["temperature", "float32"]),
+        ({"repetition_penalty": 1e-300}, ["repetition_penalty", "greater than or equal to 0.01"]),
+        ({"repetition_penalty": 1e6}, ["repetition_penalty", "less than or equal to 100"]),
+        ({"top_k": 2**63}, ["top_k", "less than or equal to 2147483647"]),
+        ({"seed": 2**64}, ["seed", "less than 9223372036854775808"]),
+        ({"max_tokens": 2**63}, ["max_tokens"]),
+        ({"stop": ["a"] * 65}, ["stop", "at most 64"]),
+        ({"stop_token_ids": [1] * 1025}, ["stop_token_ids", "at most 1024"]),
+        ({"stop": "\ud800"}, ["stop", "surrogate"]),
     ],
 )
 def test_sampling_field_errors_name_the_field(fields, expected):
@@ -48,6 +59,12 @@ def test_sampling_field_errors_name_the_field(fields, expected):
         ([7] * 700, SamplingParams(max_tokens=None), ["700 tokens", "KV cache holds 640 tokens"]),
         (GOOD_PROMPT, SamplingParams(stop_token_ids=[49152], min_tokens=2), ["stop_token_ids"]),
         ({"prompt_token_ids": [1], "extra": 1}, None, ["extra"]),
+        (GOOD_PROMPT, SamplingParams(top_k=49153), ["top_k", "vocabulary of 49152"]),
+        ("Hello \ud800", None, ["prompt", "surrogate", "character 6"]),
+        # 1024 tokens of at most 81 characters (the vocabulary's longest): refused untokenized.
+        ("x" * 90_000, None, ["prompt", "90000 characters", "82944"]),
+        ([7] * 10**6, None, ["prompt", "1000000 tokens"]),
+        ([7] * 10, SamplingParams(max_tokens=None, min_tokens=700), ["min_tokens", "631"]),
     ],
 )
 def test_bad_request_fails_and_others_keep_going(llm, prompt, params, expected):
@@ -110,4 +127,18 @@ def test_a_chat_template_that_refuses_the_messages_is_a_value_error(llm, monkeyp
     twice = [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]
     with pytest.raises(ValueError, match="roles must alternate"):
         llm.chat(twice, SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_tiny_positive_temperature_samples_at_vllms_floor():
+    assert SamplingParams(temperature=1e-9).temperature == 0.01
+    assert SamplingParams(temperature=0).temperature == 0.0
+
+
+def test_chat_content_must_be_valid_unicode(llm):
+    messages = [{"role": "user", "content": "fine"}, {"role": "user", "content": "a\udc00"}]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content.*surrogate"):
+        llm.chat(messages, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="messages is 90000 characters"):
+        llm.chat([{"role": "user", "content": "x" * 90_000}], SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished_requests()

@@ -15,6 +15,7 @@ from pagedserve.config import (
     SCHEDULER_POLICIES,
     EngineConfig,
 )
+from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +89,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None)
     group.add_argument(
         "--max-waiting", type=int, default=1024, help="queue length beyond which requests get 503"
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted; larger ones get 413",
     )
     group.add_argument("--log-interval", type=float, default=5.0, help="seconds between stat lines")
 

@@ -1,8 +1,25 @@
-"""Per-request generation settings, with vLLM's field names and validation that names the field."""
+"""Per-request generation settings, with vLLM's field names and validation that names the field.
+
+Every value accepted here is one the sampler computes with safely: floats are checked as the
+float32 the engine's tensors hold them in (5e-324 is positive as a Python float and 0 in float32),
+integers fit the tensors they go into, and lists are bounded. What depends on the model (the
+vocabulary, the context) is checked by the engine when the request arrives.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pagedserve.validation import as_float32, check_unicode
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
+# vLLM's floor: a positive temperature below it would scale logits past float32's range.
+MIN_TEMPERATURE = 0.01
+_INT32_MAX = 2**31 - 1
 
 
 class SamplingParams(BaseModel):
@@ -11,22 +28,34 @@ class SamplingParams(BaseModel):
     # Non-finite values are refused: an infinite temperature turns banned logits into NaN.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
-    n: int = Field(1, ge=1, description="samples of the prompt, sharing its KV blocks")
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    n: int = Field(1, ge=1, le=_INT32_MAX, description="samples of the prompt, sharing its KV")
+    temperature: float = Field(
+        1.0, ge=0.0, description=f"0 means greedy; a positive value below {MIN_TEMPERATURE} "
+        "samples at that floor, as vLLM does",
+    )  # fmt: skip
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1: no limit")
+    top_k: int = Field(0, ge=-1, le=_INT32_MAX, description="0 or -1: no limit")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's, on output tokens")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's, per occurrence")
-    repetition_penalty: float = Field(1.0, gt=0.0, description="HF's, on prompt and output tokens")
+    # Bounded so that a penalised logit stays finite in float32 at the lowest temperature.
+    repetition_penalty: float = Field(
+        1.0, ge=0.01, le=100.0, description="HF's, on prompt and output tokens"
+    )
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    max_tokens: int | None = Field(16, ge=1, description="None: up to the model's context")
-    min_tokens: int = Field(0, ge=0)
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    max_tokens: int | None = Field(
+        16, ge=1, le=_INT32_MAX, description="None: up to the model's context"
+    )
+    min_tokens: int = Field(0, ge=0, le=_INT32_MAX)
+    stop: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] = Field(default_factory=list)
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] = Field(
+        default_factory=list
+    )
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -40,6 +69,22 @@ class SamplingParams(BaseModel):
     def _stop_not_empty(cls, value: list[str]) -> list[str]:
         if any(not text for text in value):
             raise ValueError("stop strings must not be empty")
+        for text in value:
+            check_unicode("stop", text)
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_floor(cls, value: float) -> float:
+        as_float32("temperature", value)
+        return max(value, MIN_TEMPERATURE) if value > 0 else value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_positive_in_float32(cls, value: float) -> float:
+        # The sampler keeps tokens whose preceding mass is below top_p; at 0 it would keep none.
+        if as_float32("top_p", value) == 0.0:
+            raise ValueError(f"top_p {value} is 0 in float32, the precision the sampler uses")
         return value
 
     @model_validator(mode="after")

@@ -21,19 +21,22 @@ def free_port() -> int:
 
 
 class LocalServer:
-    """Starts `pagedserve serve *serve_args` (env on top of ours) and returns once /health
-    answers; close() (or leaving a `with` block) stops it. The server's output goes to a temporary
-    file whose tail is raised if the server dies while starting."""
+    """Starts `pagedserve serve *serve_args` (env on top of ours; program: what runs in place
+    of `python -m pagedserve.cli`) and returns once /health answers; close() (or leaving a `with`
+    block) stops it. The server's output goes to a temporary file whose tail is raised if the
+    server dies while starting."""
 
     def __init__(
         self,
         serve_args: list[str],
         env: dict[str, str] | None = None,
         startup_timeout: float = 300.0,
+        program: list[str] | None = None,
     ):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(self.port)]
+        program = program or [sys.executable, "-m", "pagedserve.cli"]
+        command = [*program, "serve", "--port", str(self.port)]
         # Open for as long as the server runs; close() closes it.
         self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115
         self.process = subprocess.Popen(

@@ -20,6 +20,7 @@ from pagedserve.engine.llm_engine import LLMEngine, PromptInput
 from pagedserve.engine.sequence import Sequence
 from pagedserve.outputs import StepOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.validation import FieldError
 
 logger = logging.getLogger(__name__)
 
@@ -70,26 +71,50 @@ class AsyncLLMEngine:
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._commands.qsize()
 
-    async def add_request(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str
-    ) -> AsyncIterator[StepOutput]:
-        """Validates and submits one request (ValueError, QueueFullError at once), and returns
-        an iterator over its pieces. Closing the iterator early aborts the request; one that is
-        never iterated must be ended with abort()."""
-        if self.dead_error is not None:
-            raise EngineDeadError("the engine stopped on an error") from self.dead_error
-        seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, request_id)
+    async def add_requests(
+        self, prompts: list[PromptInput], params: SamplingParams, request_id: str
+    ) -> list[AsyncIterator[StepOutput]]:
+        """Validates and submits prompts as one unit, each an engine request of params.n samples
+        named f"{request_id}-{index}", and returns an iterator over each one's pieces. Raises at
+        once, submitting none: ValueError for a bad prompt or more prompts than the queue can
+        ever hold, QueueFullError while the queue has no room for all of them. Closing an
+        iterator early aborts its request; one that is never iterated must be ended with
+        abort()."""
+        if len(prompts) > self.max_waiting:
+            raise FieldError(
+                "prompt",
+                f"prompt holds {len(prompts)} prompts; this server queues at most "
+                f"{self.max_waiting} requests (--max-waiting)",
+            )
+        self._raise_if_dead()
+        ids = [f"{request_id}-{index}" for index in range(len(prompts))]
+        seqs = await asyncio.to_thread(self._make_sequences, prompts, params, ids)
         # Checked after the await, so that the check and the submission are one atomic step.
-        if self.num_waiting >= self.max_waiting:
+        if self.num_waiting + len(seqs) > self.max_waiting:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
+        loop = asyncio.get_running_loop()
+        streams = {seq.request_id: _Stream(loop, asyncio.Queue()) for seq in seqs}
+        self._streams.update(streams)
         # The engine may have stopped during the tokenization, after telling the streams it had.
         if self.dead_error is not None:
-            self._streams.pop(request_id)
+            for sub_id in ids:
+                self._streams.pop(sub_id)
+            self._raise_if_dead()
+        for seq in seqs:
+            self._commands.put(("add", seq))
+        return [self._iterate(sub_id, stream) for sub_id, stream in streams.items()]
+
+    def _make_sequences(
+        self, prompts: list[PromptInput], params: SamplingParams, ids: list[str]
+    ) -> list[Sequence]:
+        return [
+            self.engine.make_sequence(prompt, params, sub_id)
+            for prompt, sub_id in zip(prompts, ids, strict=True)
+        ]
+
+    def _raise_if_dead(self) -> None:
+        if self.dead_error is not None:
             raise EngineDeadError("the engine stopped on an error") from self.dead_error
-        self._commands.put(("add", seq))
-        return self._iterate(request_id, stream)
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -120,7 +145,10 @@ class AsyncLLMEngine:
                 for output in outputs:
                     self._deliver(output.request_id, output)
         except Exception as error:  # the loop must tell every caller rather than die silently
-            logger.exception("engine loop stopped")
+            logger.exception(
+                "the engine loop stopped on an error; requests in the failed step: %s",
+                ", ".join(self.engine.step_request_ids) or "none",
+            )
             self.dead_error = error
             for request_id in list(self._streams):
                 self._deliver(request_id, error)

@@ -31,6 +31,7 @@ from pagedserve.outputs import (
 )
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.timing import PhaseTimer
+from pagedserve.validation import FieldError, check_unicode
 
 logger = logging.getLogger(__name__)
 PromptInput = str | list[int] | dict
@@ -75,6 +76,9 @@ class LLMEngine:
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
         )
+        # No token covers more characters than the vocabulary's longest, so a text longer than
+        # this cannot fit the context: it is refused without being tokenized.
+        self.max_prompt_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -109,6 +113,8 @@ class LLMEngine:
             self.max_model_len,
         )
         self.step_index = 0
+        # The requests of the step running now, for the log when a step fails; empty between.
+        self.step_request_ids: list[str] = []
         self._requests: dict[str, _Request] = {}
         self._detokenizers: dict[Sequence, IncrementalDetokenizer] = {}
         self._released_outside_step: list[Sequence] = []
@@ -141,9 +147,14 @@ class LLMEngine:
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
         if params.n > self.config.max_num_seqs:
-            raise ValueError(
+            raise FieldError(
+                "n",
                 f"n {params.n} exceeds max_num_seqs {self.config.max_num_seqs}, the samples "
-                "that can run at once"
+                "that can run at once",
+            )
+        if params.top_k > self.vocab_size:
+            raise FieldError(
+                "top_k", f"top_k {params.top_k} exceeds the vocabulary of {self.vocab_size}"
             )
         # The sampler bans stop ids by index while a request is short of its min_tokens.
         self._check_in_vocabulary("stop_token_ids", params.stop_token_ids)
@@ -225,6 +236,7 @@ class LLMEngine:
         timer.start()
         scheduled = self.scheduler.schedule()
         timer.lap("schedule")
+        self.step_request_ids = [seq.request_id for seq, _ in scheduled.entries]
         self.stats.prefix_cache_queries += scheduled.prefix_queried_tokens
         self.stats.prefix_cache_hits += scheduled.prefix_hit_tokens
         if scheduled:
@@ -248,6 +260,7 @@ class LLMEngine:
         for seq in released:
             self._release_sample(seq, outputs, now)
         self.step_index += 1
+        self.step_request_ids = []
         timer.lap("output")
         return list(outputs.values())
 
@@ -347,6 +360,13 @@ class LLMEngine:
         (some raise on roles that do not alternate)."""
         if self.tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
+        chars = 0
+        for index, message in enumerate(conversation):
+            content = message.get("content")
+            if isinstance(content, str):
+                check_unicode(f"messages[{index}].content", content)
+                chars += len(content)
+        self._check_prompt_chars("messages", chars)
         try:
             token_ids = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -367,51 +387,78 @@ class LLMEngine:
             prompt = prompt.get("prompt", "")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise FieldError("prompt", "prompt must not be empty")
+            check_unicode("prompt", prompt)
+            self._check_prompt_chars("prompt", len(prompt))
             return prompt, self.tokenizer(prompt).input_ids
         return None, self._check_token_ids(prompt)
 
+    def _check_prompt_chars(self, field: str, num_chars: int) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise FieldError(
+                field,
+                f"{field} is {num_chars} characters; the model's context of "
+                f"{self.max_model_len} tokens holds at most {self.max_prompt_chars} characters "
+                "of this tokenizer's text",
+            )
+
     def _check_token_ids(self, token_ids: object) -> list[int]:
-        if not isinstance(token_ids, list | tuple) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-        ):
-            raise ValueError("prompt_token_ids must be a list of integers")
+        if not isinstance(token_ids, list | tuple):
+            raise FieldError("prompt", "prompt_token_ids must be a list of integers")
         if not token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
+            raise FieldError("prompt", "prompt_token_ids must not be empty")
+        self._check_within_context(len(token_ids))  # before looking at each id of a long list
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise FieldError("prompt", "prompt_token_ids must be a list of integers")
         self._check_in_vocabulary("prompt_token_ids", token_ids)
         return list(token_ids)
 
     def _check_in_vocabulary(self, field: str, token_ids: list[int]) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"{field} holds {bad}, outside the vocabulary [0, {self.vocab_size})")
+            raise FieldError(
+                field, f"{field} holds {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def _check_within_context(self, prompt_len: int) -> None:
+        if prompt_len >= self.max_model_len:
+            raise FieldError(
+                "prompt",
+                f"prompt is {prompt_len} tokens; the model's context is {self.max_model_len} "
+                "tokens, which must leave room for at least one new token",
+            )
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
-        if prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {prompt_len} tokens; the model's context is {self.max_model_len} "
-                "tokens, which must leave room for at least one new token"
-            )
+        self._check_within_context(prompt_len)
         # The last generated token is never written to the cache, hence the + 1.
         capacity = self.block_manager.capacity_tokens + 1
         limit = min(self.max_model_len, capacity)
         max_tokens = params.max_tokens or limit - prompt_len
         if prompt_len + max_tokens > self.max_model_len:
-            raise ValueError(
+            raise FieldError(
+                "max_tokens",
                 f"max_tokens {max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
-                f"model's context of {self.max_model_len} tokens"
+                f"model's context of {self.max_model_len} tokens",
             )
         if prompt_len >= capacity:
-            raise ValueError(
+            raise FieldError(
+                "prompt",
                 f"prompt is {prompt_len} tokens; the KV cache holds "
                 f"{self.block_manager.capacity_tokens} tokens, which must leave room for at least "
-                "one new token"
+                "one new token",
             )
         if prompt_len + max_tokens > capacity:
-            raise ValueError(
+            raise FieldError(
+                "max_tokens",
                 f"a request of {prompt_len} prompt tokens and max_tokens {max_tokens} can never "
                 f"fit in the KV cache of {self.block_manager.capacity_tokens} tokens "
-                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})"
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})",
+            )
+        if params.min_tokens > max_tokens:
+            raise FieldError(
+                "min_tokens",
+                f"min_tokens {params.min_tokens} exceeds the {max_tokens} tokens this request "
+                "can generate",
             )
         return max_tokens
 

@@ -8,28 +8,23 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from pagedserve.outputs import StepOutput
-from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import responses
+from pagedserve.server.errors import ApiError, error_response, validation_message
+from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.server.responses import Choice, sse
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
 @dataclass
@@ -38,44 +33,19 @@ class ServerState:
     model_name: str
     api_key: str | None
     registry: CollectorRegistry
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: int | None = None):
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def _error_response(status: int, message: str, kind: str, param: str | None = None):
-    headers = {"Retry-After": "1"} if status == 503 else None
-    return JSONResponse(error_body(message, kind, param, status), status, headers=headers)
-
-
-def _validation_message(error: ValidationError | RequestValidationError) -> tuple[str, str]:
-    details = error.errors()
-    parts, param = [], None
-    for detail in details:
-        location = [str(p) for p in detail.get("loc", ()) if p != "body"]
-        name = ".".join(location) or "body"
-        param = param or name
-        parts.append(f"{name}: {detail.get('msg')}")
-    return "; ".join(parts), param
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagedserve", version=VERSION)
     app.state.server = state
+    app.add_middleware(RequestGuard, api_key=state.api_key, max_body_bytes=state.max_request_bytes)
     _install_error_handlers(app)
-
-    async def check_api_key(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {state.api_key}":
-            raise ApiError(401, "missing or wrong API key", "authentication_error")
 
     @app.get("/health")
     async def health() -> Response:
         if state.engine.dead_error is not None:
-            return _error_response(503, "the engine has stopped", "server_error")
+            return error_response(503, "the engine has stopped", "server_error")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -86,7 +56,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models")
     async def models() -> dict:
         card = {
             "id": state.model_name,
@@ -97,24 +67,24 @@ def build_app(state: ServerState) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await _submit(state.engine, body.prompts(), params, request_id)
+        streams = await state.engine.add_requests(body.prompts(), params, request_id)
         run = _Completion(state.model_name, request_id, body, len(streams))
         if body.stream:
             return _event_stream(run.chunks(streams))
         return await _unless_disconnected(request, run.response(streams))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
         params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
         prompt = {"prompt_token_ids": await asyncio.to_thread(_chat_tokens, state, body)}
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await _submit(state.engine, [prompt], params, request_id)
+        streams = await state.engine.add_requests([prompt], params, request_id)
         run = _ChatCompletion(state.model_name, request_id, body, len(streams))
         if body.stream:
             return _event_stream(run.chunks(streams))
@@ -126,31 +96,32 @@ def build_app(state: ServerState) -> FastAPI:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError):
-        return _error_response(error.status, error.message, error.kind, error.param)
+        return error_response(error.status, error.message, error.kind, error.param)
 
     @app.exception_handler(RequestValidationError)
     async def request_invalid(_: Request, error: RequestValidationError):
-        message, param = _validation_message(error)
-        return _error_response(400, message, "invalid_request_error", param)
+        message, param = validation_message(error, skip=("body",))
+        return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(ValueError)
     async def value_error(_: Request, error: ValueError):
         if isinstance(error, ValidationError):
-            message, param = _validation_message(error)
-            return _error_response(400, message, "invalid_request_error", param)
-        return _error_response(400, str(error), "invalid_request_error")
+            message, param = validation_message(error)
+            return error_response(400, message, "invalid_request_error", param)
+        param = getattr(error, "field", None)  # FieldError's
+        return error_response(400, str(error), "invalid_request_error", param)
 
     @app.exception_handler(QueueFullError)
     async def queue_full(_: Request, error: QueueFullError):
-        return _error_response(503, f"server busy: {error}", "server_busy")
+        return error_response(503, f"server busy: {error}", "server_busy")
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError):
-        return _error_response(500, str(error), "server_error")
+        return error_response(500, str(error), "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException):
-        return _error_response(error.status_code, str(error.detail), "invalid_request_error")
+        return error_response(error.status_code, str(error.detail), "invalid_request_error")
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -164,25 +135,6 @@ def _check_model(state: ServerState, model: str | None) -> None:
 def _chat_tokens(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     messages = [message.as_template_input() for message in body.messages]
     return state.engine.engine.chat_token_ids(messages)
-
-
-async def _submit(
-    engine: AsyncLLMEngine, prompts: list, params: SamplingParams, request_id: str
-) -> list[AsyncIterator[StepOutput]]:
-    """Submits every prompt, each an engine request for params.n samples that share its KV
-    blocks; or none of them if any is refused."""
-    streams: list[AsyncIterator[StepOutput]] = []
-    submitted: list[str] = []
-    try:
-        for prompt_index, prompt in enumerate(prompts):
-            sub_id = f"{request_id}-{prompt_index}"
-            streams.append(await engine.add_request(prompt, params, sub_id))
-            submitted.append(sub_id)
-    except BaseException:
-        for sub_id in submitted:
-            engine.abort(sub_id)
-        raise
-    return streams
 
 
 async def _merge(

@@ -1,4 +1,8 @@
-"""OpenAI request bodies, validated by pydantic; fields we do not implement are refused by name."""
+"""OpenAI request bodies, validated by pydantic; fields we do not implement are refused by name.
+
+Every list is bounded, or checked item by item until the first bad one, so that a body's errors
+are few however large it is; the sampling fields are checked by SamplingParams and what depends on
+the model (vocabulary, context) by the engine."""
 
 from __future__ import annotations
 
@@ -6,9 +10,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
-MAX_TOP_LOGPROBS = 20
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 4096
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
 class StreamOptions(BaseModel):
@@ -27,8 +38,8 @@ class _GenerationRequest(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -69,14 +80,31 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Literal[False] = False
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt_not_empty(cls, value):
-        if isinstance(value, list) and not value:
+    def _prompt_shape(cls, value):
+        """One error for the first bad item, where the union would list every item's errors for
+        each of its four shapes."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"prompt must be {_PROMPT_SHAPES}")
+        if not value:
             raise ValueError("prompt must not be an empty list")
+        if isinstance(value[0], list):
+            for index, item in enumerate(value):
+                if not isinstance(item, list):
+                    raise ValueError(f"prompt[{index}] is not a list of token ids like prompt[0]")
+                _check_token_list(f"prompt[{index}]", item)
+        elif type(value[0]) is str:
+            bad = next((i for i, item in enumerate(value) if type(item) is not str), None)
+            if bad is not None:
+                raise ValueError(f"prompt[{bad}] is not a string like prompt[0]")
+        else:
+            _check_token_list("prompt", value)
         return value
 
     def prompts(self) -> list[str | dict]:
@@ -88,6 +116,14 @@ class CompletionRequest(_GenerationRequest):
         return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
+def _check_token_list(field: str, items: list) -> None:
+    if not items:
+        raise ValueError(f"{field} must not be an empty list")
+    if not all(type(item) is int for item in items):
+        index = next(i for i, item in enumerate(items) if type(item) is not int)
+        raise ValueError(f"{field}[{index}] is not a token id; prompt must be {_PROMPT_SHAPES}")
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
@@ -97,7 +133,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
     name: str | None = None
 
     def as_template_input(self) -> dict[str, str]:
@@ -109,11 +145,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

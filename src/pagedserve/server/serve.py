@@ -1,9 +1,15 @@
-"""`pagedserve serve`: load the engine, start its loop, and serve the HTTP API with uvicorn."""
+"""`pagedserve serve`: load the engine, start its loop, and serve the HTTP API with uvicorn.
+
+If the engine loop stops on an error, the requests in flight are answered with errors, /health
+turns 503, and the process exits with status 1 within seconds, so that a supervisor restarts it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import sys
 from pathlib import Path
 
 import uvicorn
@@ -16,6 +22,11 @@ from pagedserve.server.app import ServerState, build_app
 from pagedserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagedserve.serve")
+_ENGINE_CHECK_SECONDS = 0.2
+# How long /health reports the stopped engine (503) before the process exits.
+_EXIT_DELAY_SECONDS = 1.0
+# Time for responses already answered with the engine's error to reach their clients.
+_GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 def served_model_name(model: str | None) -> str:
@@ -29,10 +40,35 @@ def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry, model_name, args.log_interval)
     async_engine = AsyncLLMEngine(engine, args.max_waiting, observers=[metrics.observe])
-    app = build_app(ServerState(async_engine, model_name, args.api_key, registry))
+    state = ServerState(async_engine, model_name, args.api_key, registry, args.max_request_bytes)
+    config = uvicorn.Config(
+        build_app(state),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_SECONDS,
+    )
+    server = uvicorn.Server(config)
     async_engine.start()
     logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        asyncio.run(_serve_while_engine_lives(server, async_engine))
     finally:
         async_engine.shutdown()
+    if async_engine.dead_error is not None:
+        sys.exit(1)
+
+
+async def _serve_while_engine_lives(server: uvicorn.Server, engine: AsyncLLMEngine) -> None:
+    async def watch() -> None:
+        while engine.dead_error is None:
+            await asyncio.sleep(_ENGINE_CHECK_SECONDS)
+        logger.error("the engine has stopped; the server exits with status 1")
+        await asyncio.sleep(_EXIT_DELAY_SECONDS)
+        server.should_exit = True
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()

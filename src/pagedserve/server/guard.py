@@ -1,0 +1,72 @@
+"""What the server checks before any handler runs: the API key, from the headers alone, then the
+body's size while it is read. A request without the key costs no body read and no parsing; a body
+beyond the limit is refused as soon as its length is known or its bytes pass the limit."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedserve.server.errors import error_response
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+
+
+class RequestGuard:
+    """ASGI middleware: paths under /v1 need `Authorization: Bearer KEY` when a key is set
+    (compared in constant time); every body is read here, up to max_body_bytes (413 beyond), and
+    handed on whole."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if self.expected is not None and scope["path"].startswith("/v1"):
+            given = headers.get("authorization", "").encode("latin-1")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "missing or wrong API key", "authentication_error")
+                await response(scope, receive, send)
+                return
+        declared = headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            await self._too_large(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(bytes(body), receive), send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"the request body exceeds {self.max_body_bytes} bytes (--max-request-bytes)"
+        await error_response(413, message, "invalid_request_error")(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the body read already, then what the client sends next (its
+    disconnect, which handlers watch for)."""
+    given = False
+
+    async def replayed() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
