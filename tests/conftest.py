@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.bench.launch import LocalServer
+from pagedserve.server.process import LocalServer
 
 TINY_ARCHITECTURES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3")
 # Small enough to run in a blink, large enough that GQA, biases and norms all matter.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.static_scheduler import StaticScheduler
 from pagedserve.outputs import RequestMetrics
 from pagedserve.sampling_params import SamplingParams
 
@@ -31,8 +32,9 @@ def make_scheduler(
     chunked: bool = True,
     policy: str = "continuous",
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked, policy)
-    return Scheduler(config, BlockManager(num_blocks, block_size))
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked)
+    scheduler = StaticScheduler if policy == "static" else Scheduler
+    return scheduler(config, BlockManager(num_blocks, block_size))
 
 
 def fake_model_step(batch: ScheduledBatch) -> list[Sequence]:

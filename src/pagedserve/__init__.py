@@ -23,7 +23,7 @@ def __getattr__(name: str):
 
         return SamplingParams
     if name in ("CompletionOutput", "Logprob", "RequestOutput"):
-        from pagedserve import outputs
+        import pagedserve.outputs
 
-        return getattr(outputs, name)
+        return getattr(pagedserve.outputs, name)
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -5,80 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import fields
 
-from pagedserve.bench.cli import add_bench_parser
-from pagedserve.config import (
-    DTYPES,
-    KV_CACHE_DTYPES,
-    PACKED_WEIGHT_DTYPES,
-    SCHEDULER_POLICIES,
-    EngineConfig,
-)
+from pagedserve.engine_args import add_engine_args, engine_config
 from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    defaults = {f.name: f.default for f in fields(EngineConfig)}
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2)")
-    group.add_argument("--dtype", choices=DTYPES, default=defaults["dtype"])
-    group.add_argument("--device", default=defaults["device"], help="auto, cpu, cuda, cuda:1")
-    group.add_argument("--block-size", type=int, default=defaults["block_size"])
-    group.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"])
-    group.add_argument(
-        "--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"]
-    )
-    group.add_argument("--kv-cache-memory", default=defaults["kv_cache_memory"])
-    group.add_argument("--num-kv-blocks", type=int, default=None)
-    group.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default=defaults["kv_cache_dtype"],
-        help="what cached keys and values are stored as (auto: the model's dtype); bfloat16 "
-        "under a float32 model holds twice the tokens and halves what decode attention reads",
-    )
-    group.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default=defaults["scheduler"])
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument(
-        "--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
-    )
-    group.add_argument(
-        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
-    )
-    group.add_argument(
-        "--no-cpu-kernels",
-        dest="cpu_kernels",
-        action="store_false",
-        help="float32 on CPU: F.linear on weights as loaded, and torch's RMSNorm, SiLU and "
-        "rotation, instead of the C++ kernels (decode attention: --no-decode-kernel)",
-    )
-    group.add_argument(
-        "--packed-weight-dtype",
-        choices=PACKED_WEIGHT_DTYPES,
-        default=defaults["packed_weight_dtype"],
-        help="float32 on CPU: store the packed linear weights as this (float32 arithmetic but for "
-        "q4_1_q8); auto is q4_1, q8_0 or bfloat16 for a GGUF file whose linear maps are all Q4_1 "
-        "(the default model), Q8_0 or BF16, chosen alike for its logits' weights, bfloat16 for a "
-        "checkpoint stored in bfloat16, else float32; bfloat16 halves the bytes a decode step "
-        "reads and rounds the weights, int8 quarters them and quantizes each output feature with "
-        "its own scale, q8_0 and q4_1 store 8.5 and 5 bits a weight in llama.cpp's formats (a "
-        "Q8_0 or Q4_1 GGUF's weights exactly; q4_1 with Q8_0 logits), q4_1_q8 stores q4_1's "
-        "blocks and computes as llama.cpp does, in integers against each linear map's inputs "
-        "rounded to 8 bits per group of 32 (AVX2 CPUs)",
-    )
-    group.add_argument(
-        "--no-decode-kernel",
-        dest="decode_kernel",
-        action="store_false",
-        help="on CPU, gather cached blocks for SDPA instead of the C++ decode attention",
-    )
-    group.add_argument("--seed", type=int, default=defaults["seed"])
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for f in fields(EngineConfig)}
-    return EngineConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -168,6 +97,12 @@ def _serve(args: argparse.Namespace) -> None:
     serve(args, LLMEngine(engine_config(args)))
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from pagedserve.bench.cli import main
+
+    main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -190,13 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(handler=_serve)
 
-    add_bench_parser(commands, add_engine_args)
+    bench = commands.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmarks: serve, throughput, sweep, report (the pagedserve[bench] extra)",
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # all of the rest is the benchmarks' own, options included
+        args = argparse.Namespace(handler=_bench, bench_args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         args.handler(args)
     except (ValueError, FileNotFoundError) as error:

@@ -34,16 +34,8 @@ class EngineConfig:
     # Float32 on CPU: linear weights reordered once into panels for the C++ product, and C++
     # RMSNorm, SwiGLU and rotation with the cache write (pagedserve.model.kernels).
     cpu_kernels: bool = True
-    # What those packed weights are stored as; the arithmetic stays float32 but for q4_1_q8.
-    # bfloat16 halves the bytes each decode step reads, and rounds the weights; int8 quarters
-    # them, each output feature quantized with its own scale; q8_0 and q4_1 (llama.cpp's formats,
-    # 8.5 and 5 bits a weight) hold a Q8_0 or Q4_1 GGUF's weights exactly (q4_1 with Q8_0
-    # logits); q4_1_q8 stores q4_1's blocks and computes as llama.cpp does, in integers against
-    # inputs rounded to 8 bits (AVX2 CPUs). auto: q4_1, q8_0 or bfloat16 for a GGUF file whose
-    # linear maps are all Q4_1 (the default model), Q8_0 or BF16, and the same choice for its
-    # logits' weights on their own; bfloat16 for a checkpoint that stores its matrices in
-    # bfloat16; else float32: so that its own weights are what each step reads, as vLLM serves a
-    # checkpoint in its own dtype.
+    # What those packed weights are stored as (docs/CPU_KERNELS.md has the formats); auto keeps
+    # the checkpoint's own weights exactly (model_runner.resolve_packed_weight_dtypes).
     packed_weight_dtype: str = "auto"
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True

@@ -7,7 +7,8 @@ from collections.abc import Sequence as SequenceOf
 from tqdm import tqdm
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import Conversation, LLMEngine, PromptInput
+from pagedserve.engine.input_processor import Conversation, PromptInput
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 

@@ -9,18 +9,24 @@ import argparse
 import json
 import logging
 import math
-from collections.abc import Callable
 from pathlib import Path
 
-from pagedserve.bench.client import ENDPOINTS
 from pagedserve.bench.datasets import DATASETS, DatasetSpec, parse_range
 from pagedserve.bench.metrics import Slo
+from pagedserve.engine_args import add_engine_args, engine_config
 
-AddArgs = Callable[[argparse.ArgumentParser], None]
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
-def add_bench_parser(commands, add_engine_args: AddArgs) -> None:
-    bench = commands.add_parser("bench", help="benchmarks: serve, throughput, sweep, report")
+def main(argv: list[str]) -> None:
+    """`pagedserve bench ARGV`; `pagedserve` hands its arguments over, so that nothing of the
+    benchmarks (nor their extra dependencies) is imported for the other commands."""
+    args = build_parser().parse_args(argv)
+    args.handler(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    bench = argparse.ArgumentParser(prog="pagedserve bench", description=__doc__)
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
     serve = kinds.add_parser("serve", help="drive an OpenAI-compatible server over HTTP")
@@ -72,6 +78,7 @@ def add_bench_parser(commands, add_engine_args: AddArgs) -> None:
     report.add_argument("--dtype", default="auto")
     report.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     report.set_defaults(handler=_report)
+    return bench
 
 
 def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
@@ -160,7 +167,6 @@ def _throughput(args: argparse.Namespace) -> None:
     from pagedserve.bench.report_sections import fastest, output_ratio
     from pagedserve.bench.tables import offline_table
     from pagedserve.bench.throughput import run_throughput
-    from pagedserve.cli import engine_config
 
     requests, _ = _requests(args, need_tokenizer=False, model=args.model)
     sizes = _int_list(args.baseline_batch_sizes) if args.baseline_batch_sizes else ()
@@ -182,7 +188,6 @@ def _sweep(args: argparse.Namespace) -> None:
     from pagedserve.bench.plots import sweep_plot
     from pagedserve.bench.sweep import largest_meeting, run_sweep
     from pagedserve.bench.tables import sweep_table
-    from pagedserve.cli import engine_config
 
     engine_args = vars(engine_config(args))
     batch_sizes = _int_list(args.batch_sizes)

@@ -13,8 +13,6 @@ import httpx
 
 from pagedserve.bench.metrics import RequestResult
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-
 
 @dataclass
 class Target:

@@ -27,7 +27,6 @@ from pagedserve.bench.datasets import (
     load_tokenizer,
     w1_requests,
 )
-from pagedserve.bench.launch import LocalServer
 from pagedserve.bench.llama_cpp_peer import (
     gguf_weight_bytes,
     llama_cpp_installed,
@@ -50,6 +49,7 @@ from pagedserve.bench.throughput import run_throughput
 from pagedserve.bench.timeline import Segment, run_seed_scenario
 from pagedserve.engine.model_runner import resolve_device
 from pagedserve.model.source import gguf_file
+from pagedserve.server.process import LocalServer
 
 logger = logging.getLogger(__name__)
 POLICIES = ("continuous", "static")

@@ -16,7 +16,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from pagedserve.engine.llm_engine import LLMEngine, PromptInput
+from pagedserve.engine.input_processor import PromptInput
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.sequence import Sequence
 from pagedserve.outputs import StepOutput
 from pagedserve.sampling_params import SamplingParams

@@ -11,9 +11,8 @@ and only the tokens after them are scheduled. A request for n samples runs as on
 its prompt is computed; in that step it is forked into n sequences that share its blocks and each
 sample their own first token from the prompt's logits. Its n seats are reserved on admission.
 
-The `static` policy is request-level batching, kept as the baseline: a batch is fixed when it
-forms, nothing joins it until every member has finished, and finished members are released
-together at the end.
+The `static` policy (static_scheduler.py) is request-level batching, kept as the baseline beside
+this one.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
-    policy: str = "continuous"
 
 
 class Scheduler:
@@ -61,19 +59,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # Under `static`: the members of the batch in flight, and those finished but held back.
-        self._batch: set[Sequence] = set()
-        self._held: list[Sequence] = []
-
-    @property
-    def static(self) -> bool:
-        return self.config.policy == "static"
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._held)
+        return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -106,22 +97,11 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        if not self.static:
-            return [seq]
-        # An aborted request has nobody waiting for it, so it is never held back.
-        released_now = [seq] if reason == "abort" else []
-        if reason != "abort":
-            self._held.append(seq)
-        self._batch.discard(seq)
-        if self._batch:
-            return released_now
-        released, self._held = self._held, []
-        return released_now + released
+        return [seq]
 
     def drop_held(self, seq: Sequence) -> None:
-        """Forgets a finished sequence still held back under `static` (its caller has gone)."""
-        if seq in self._held:
-            self._held.remove(seq)
+        """Forgets a finished sequence whose result is held back (its caller has gone); this
+        policy holds none."""
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         while not self.block_manager.allocate(seq, num_new):
@@ -138,16 +118,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _may_admit(self, seq: Sequence) -> bool:
+        """Whether seq may take a seat now, given seats, budget and blocks (policy hook)."""
+        return True
+
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        if self.static and not self._batch:
-            self._batch = set(self._next_static_batch())
         seats = self._seats_taken()
         bm = self.block_manager
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seats + self._seats(seq) > self.config.max_num_seqs:
                 break
-            if self.static and seq not in self._batch:
+            if not self._may_admit(seq):
                 break
             prefix = bm.find_cached_prefix(seq)
             num_new = seq.num_tokens - prefix.num_tokens
@@ -174,15 +156,6 @@ class Scheduler:
     def _seats_taken(self) -> int:
         return sum(self._seats(seq) for seq in self.running)
 
-    def _next_static_batch(self) -> list[Sequence]:
-        members, seats = [], 0
-        for seq in self.waiting:
-            seats += self._seats(seq)
-            if seats > self.config.max_num_seqs:
-                break
-            members.append(seq)
-        return members
-
     def _fork_completed_prompts(self, batch: ScheduledBatch) -> None:
         for seq, num_new in batch.entries:
             if seq.pending_forks and seq.num_computed_tokens + num_new == seq.num_tokens:
@@ -195,6 +168,4 @@ class Scheduler:
         child.num_computed_tokens += num_new
         self.block_manager.share(child)
         self.running.append(child)
-        if self.static:
-            self._batch.add(child)
         return child

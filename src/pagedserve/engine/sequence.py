@@ -10,7 +10,7 @@ from pagedserve.outputs import RequestMetrics, SampleLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.engine.block_manager import BlockKey
+    from pagedserve.engine.block_key import BlockKey
 
 _INT64_SPAN = 2**64
 

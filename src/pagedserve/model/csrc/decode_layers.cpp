@@ -1,9 +1,9 @@
 // Every decoder layer of a decode-only step on the CPU, in one call.
 //
 // At a few decode rows each of a layer's ten kernels takes microseconds, and reaching them from
-// Python (eight module calls and ten dispatches per layer) cost as much again: about 2.4 ms of an
-// 8.4 ms int8 step at batch 1. This op runs the same kernels in the same order, called directly,
-// so its result has the same bits as the layers run op by op.
+// Python (eight module calls and ten dispatches per layer) costs about as much again. This op
+// runs the same kernels in the same order, called directly, so its result has the same bits as
+// the layers run op by op.
 
 #include <ATen/core/List.h>
 #include <ATen/ops/zeros_like.h>

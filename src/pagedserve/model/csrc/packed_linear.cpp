@@ -37,7 +37,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 
 // The accumulators are kept as the raw vector type: as arrays of Vec, GCC keeps them in memory and
-// stores every one of them on each step of the input dimension (about 2x slower).
+// stores every one of them on each step of the input dimension.
 #if defined(CPU_CAPABILITY_AVX512)
 using Register = __m512;
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -61,8 +61,8 @@ constexpr int64_t panels_per_tile(int64_t rows) {
 }
 
 // Vec::size() consecutive stored weights (or block panels' float16 scales) as floats. Each
-// conversion reads its values straight from memory: through at::vec's bfloat16 conversion, which
-// loads a whole panel row and splits it, a bfloat16 panel was read 1.5x slower than an int8 one.
+// conversion reads its values straight from memory, rather than through at::vec's bfloat16
+// conversion, which loads a whole panel row and splits it.
 template <typename weight_t>
 Vec widen(const weight_t* weights) {
   if constexpr (std::is_same_v<weight_t, float>) {
@@ -145,8 +145,8 @@ struct Q8_0 {
 };
 
 // A panel is stored as blocks, one per group: the group's scales (and minima), then its values, so
-// that a tile reads each panel as one stream, as for int8. With Q4_1's scales and minima kept
-// apart, a decode step read them at 9 GB/s, against int8's 15.
+// that a tile reads each panel as one stream, as for int8, rather than scales, minima and values
+// from three places.
 template <typename Format>
 constexpr int64_t kHeaderBytes = (Format::kMinima ? 2 : 1) * kPanel * sizeof(at::Half);
 template <typename Format>
@@ -267,8 +267,8 @@ template <int64_t rows, int64_t panels, typename weight_t>
       }
     } else {
       // GCC keeps every row's value in a register across the panels, so the weights are widened
-      // one vector at a time. Widening a panel's two vectors at once left 3 rows one register
-      // short: with a sum on the stack, 3 int8 rows took 1.4x as long as 4.
+      // one vector at a time: widening a panel's two vectors at once would leave 3 rows one
+      // register short, and a sum on the stack.
 #pragma GCC unroll 12
       for (int64_t j = 0; j < 2 * panels; ++j) {
         const Vec weights = widen(panel + j / 2 * panel_size + k * kPanel + j % 2 * Vec::size());
@@ -305,7 +305,7 @@ template <int64_t rows, int64_t kSums>
 // out[m][j] = bias[j] + scale[j] * (x[m] . panel[:, j]) for `rows` input rows against `panels`
 // consecutive panels, of which the first `cols` <= panels * kPanel features are written.
 // Every loop over the accumulators is unrolled: see Register. Kept out of line: inlined into its
-// callers, five int8 rows ran 1.6x slower.
+// callers, GCC no longer keeps the accumulators in registers.
 template <int64_t rows, int64_t panels, typename weight_t>
 [[gnu::noinline]] void tile(const float* x, int64_t in_features, const weight_t* panel,
                             Epilogue epilogue, float* out, int64_t out_stride, int64_t cols) {
@@ -408,8 +408,7 @@ void few_rows_against_panels(int64_t rows, const float* x, int64_t in_features, 
 
 // All `num_rows` rows against `count` consecutive panels (`cols` features of `out`): whole tiles
 // of kRows rows one panel at a time, then the rows left over against all the panels at once,
-// while they are still in cache (a second sweep over every panel read the weights twice: 16 rows
-// ran 1.1x slower).
+// while they are still in cache, so that the weights are read from memory once.
 template <typename Panels>
 void rows_against_panels(const float* x, int64_t num_rows, int64_t in_features, Panels panels,
                          int64_t count, Epilogue epilogue, float* out, int64_t out_stride,
@@ -450,8 +449,7 @@ void product_group(const float* x, int64_t num_rows, int64_t in_features, Panels
 // change its arithmetic.
 // Float32 panels, and any panels for up to 2 * kRows rows, are read as stored. Beyond that,
 // bfloat16, int8 or 4-bit panels are widened once into float32 for all the tiles instead of by
-// each tile again: measured here, widening pays from 16 rows on, and without it 64 rows ran 1.3x
-// slower than from float32 weights.
+// each tile again, which pays once enough rows share each widened weight.
 template <typename Panels>
 void product(const float* x, int64_t num_rows, int64_t in_features, Panels weights,
              Epilogue epilogue, float* out, int64_t out_features, int64_t num_panels) {

@@ -17,10 +17,8 @@
 //          + (sum over groups g of minimum[f][g] * (d[g] * sum of q over g)) + bias[f]
 // with each sum a chain of float32 multiply-adds over g in order.
 //
-// Measured here (2 threads, the default model's 120 Q4_1 maps a step, runs alternating), against
-// packed_linear's Q4_1 time from memory: one row 0.82-0.85x (0.66-0.81x with the weights in
-// cache), 4 rows 0.97-1.09x, 64 rows 0.62-0.69x. One row is held by the memory more than by
-// arithmetic: see prefetch_ahead and work_sharing.h.
+// With a third of the instructions, one row is held by the memory more than by arithmetic: see
+// prefetch_ahead and work_sharing.h.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

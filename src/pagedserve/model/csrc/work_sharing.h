@@ -3,12 +3,8 @@
 //
 // A thread reading one long stretch of memory keeps the hardware prefetcher streaming ahead of
 // it; items handed to whichever thread asks next interleave the two threads' reads, so that every
-// item starts a new stream. Measured here on the default model's Q4_1 maps (2 threads, the 120
-// maps of a decode step): the q4_1_q8 product at one row 8-14% faster with shares than with items
-// handed out one at a time (alternating in one process) and at 4 rows 1.5x (alternating
-// processes); packed_linear's Q4_1 product 1.2x at 4 rows (its Q8_0 logits 1.4x) and as fast at 1
-// and 8; float32 panels as fast. Shares fixed in advance would keep one thread waiting for the
-// other whenever another process holds its core; taking from the others' ends prevents that.
+// item starts a new stream. Shares fixed in advance would keep one thread waiting for the other
+// whenever another process holds its core; taking from the others' ends prevents that.
 
 #pragma once
 

@@ -1,4 +1,4 @@
-"""A `pagedserve serve` process on a free 127.0.0.1 port, for the report's HTTP runs and tests."""
+"""A `pagedserve serve` process on a free 127.0.0.1 port, for HTTP benchmarks and tests."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
-
-import httpx
 
 
 def free_port() -> int:
@@ -88,9 +88,10 @@ class LocalServer:
                     f"the server exited with {self.process.returncode}:\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"the server did not become healthy within {timeout:.0f} s")
