@@ -274,15 +274,21 @@ def test_q4_1_q8_matches_transformers_on_inputs_rounded_as_it_rounds_them(
 
 
 @pytest.mark.parametrize("architecture", ["mistral", "qwen3"])
-def test_both_decode_attention_paths_match_transformers(architecture, tiny_checkpoint, references):
-    """On CPU decodes read the cache in place in C++; elsewhere (and with --no-decode-kernel)
-    they gather blocks for SDPA. Mistral's sliding window and Qwen3's head_dim of 24 test both."""
-    in_place = LLM(str(tiny_checkpoint(architecture)), dtype="float32")
-    gathered = LLM(str(tiny_checkpoint(architecture)), dtype="float32", decode_kernel=False)
-    assert in_place.engine.runner.decode_in_place
+def test_every_attention_path_matches_transformers(architecture, tiny_checkpoint, references):
+    """On CPU every token reads the cache in place in C++ (batch-invariant, the default); with
+    --batch-invariant false prompts are attended by SDPA and decodes in place; elsewhere (and
+    with --no-decode-kernel) all gather blocks for SDPA. Mistral's sliding window and Qwen3's
+    head_dim of 24 test them."""
+    checkpoint = str(tiny_checkpoint(architecture))
+    in_place = LLM(checkpoint, dtype="float32")
+    decodes_in_place = LLM(checkpoint, dtype="float32", batch_invariant=False)
+    gathered = LLM(checkpoint, dtype="float32", decode_kernel=False)
+    assert in_place.engine.runner.prefill_in_place
+    assert decodes_in_place.engine.runner.decode_in_place
+    assert not decodes_in_place.engine.runner.prefill_in_place
     assert not gathered.engine.runner.decode_in_place
-    assert _generate(in_place) == references(architecture)
-    assert _generate(gathered) == references(architecture)
+    for llm in (in_place, decodes_in_place, gathered):
+        assert _generate(llm) == references(architecture)
 
 
 def _attention_on_rounded_cache(module, query, key, value, *args, **kwargs):

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -512,3 +513,39 @@ def test_kernels_load_past_the_lock_of_an_interrupted_build(tmp_path):
     environment = os.environ | {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", load], env=environment, check=True, timeout=300)
     assert not (copy / "lock").exists()
+
+
+_Q4_1_Q8_PRODUCT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_kernels import _packed_weights
+from pagedserve.model.kernels import _cflags, cpu_kernels_available
+assert cpu_kernels_available()
+generator = torch.Generator().manual_seed(0)
+packed, _, _ = _packed_weights(200, 576, "q4_1_q8", generator)
+x = torch.randn(9, 576, generator=generator)
+rows = [torch.ops.pagedserve.packed_linear(x[:n], packed, 200, None)[0] for n in (1, 4, 9)]
+torch.save({{"rows": rows, "flags": _cflags()}}, {out!r})
+"""
+
+
+def test_q4_1_q8_gives_the_same_bits_with_and_without_avx512_and_vnni(tmp_path):
+    """The integer dot products are exact, so the build for this CPU (with AVX-512 VNNI's
+    vpdpbusd where it has it) and an AVX2 build (vpmaddubsw, vpmaddwd; ATEN_CPU_CAPABILITY=avx2
+    builds the kernels as for an AVX2-only CPU) compute the same bits."""
+    results = {}
+    for name, capability in (("host", None), ("avx2", "avx2")):
+        out = tmp_path / f"{name}.pt"
+        script = _Q4_1_Q8_PRODUCT.format(tests=str(Path(__file__).parent), out=str(out))
+        env = os.environ.copy()
+        env.pop("ATEN_CPU_CAPABILITY", None)
+        if capability is not None:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
+        results[name] = torch.load(out)
+    host, avx2 = results["host"], results["avx2"]
+    print(f"this host's build: {' '.join(host['flags'])}")
+    assert "-DCPU_CAPABILITY_AVX2" in avx2["flags"]
+    assert "-mavx512vnni" not in avx2["flags"]
+    for ours, theirs in zip(host["rows"], avx2["rows"], strict=True):
+        assert torch.equal(ours, theirs)

@@ -39,6 +39,10 @@ class EngineConfig:
     packed_weight_dtype: str = "auto"
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True
+    # CPU, with decode_kernel: prompts' tokens are attended in place too, one row per token, so
+    # a request's results never depend on what shares its batch; False attends prompts with
+    # SDPA in groups, faster for long prompts and batch-dependent in the last bits.
+    batch_invariant: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -62,9 +62,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="on CPU, gather cached blocks for SDPA instead of the C++ decode attention",
     )
+    group.add_argument(
+        "--batch-invariant",
+        type=_true_or_false,
+        default=defaults["batch_invariant"],
+        metavar="{true,false}",
+        help="on CPU, results bit-identical whatever shares a request's batch (true); false "
+        "attends prompts with SDPA, faster for long prompts",
+    )
     group.add_argument("--seed", type=int, default=defaults["seed"])
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
+def _true_or_false(value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() == "true"

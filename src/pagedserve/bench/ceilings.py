@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
+from pagedserve.model.cpu_features import CpuFeatures
 from pagedserve.model.decoder import DecoderModel
 from pagedserve.model.layers import Linear, PackedWeight, can_use_cpu_kernels
 from pagedserve.model.quantization import BYTES_PER_WEIGHT, logits_weight_dtype
@@ -190,20 +190,11 @@ def model_cost(model: DecoderModel) -> ModelCost:
 
 def machine_description() -> dict:
     return {
-        "cpu": _cpu_model(),
+        "cpu": CpuFeatures.host().describe(),  # model, family/model and instruction sets
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "native_bfloat16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "native_bfloat16": CpuFeatures.host().native_bfloat16,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
-
-
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"

@@ -155,13 +155,17 @@ def _measured_twice(c: Ceilings) -> str:
 
 
 def _dtype_note(context: Context, flops: dict[str, float]) -> str:
-    slower = flops["float32"] / flops["bfloat16"]
+    kernels = (
+        f"`--dtype auto` chose {context.dtype}: on a CPU where the C++ kernels build it keeps "
+        "them, in float32 arithmetic over the checkpoint's own packed weights"
+    )
     if machine_description()["native_bfloat16"]:
-        return f"`--dtype auto` chose {context.dtype}: this CPU multiplies bfloat16 natively."
+        return f"{kernels}; this CPU multiplies bfloat16 natively (torch's path without kernels)."
+    slower = flops["float32"] / flops["bfloat16"]
     return (
-        f"`--dtype auto` chose {context.dtype}: this CPU has no native bfloat16 matrix "
-        "instructions (AVX-512 BF16 / AMX), so bfloat16 products are emulated; the square "
-        f"matmul above runs {slower:.1f}x slower in bfloat16 than in float32."
+        f"{kernels}; this CPU has no native bfloat16 matrix instructions (AVX-512 BF16 / AMX), "
+        f"so bfloat16 products are emulated: the square matmul above runs {slower:.1f}x slower "
+        "in bfloat16 than in float32."
     )
 
 

@@ -14,6 +14,7 @@ from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
 from pagedserve.model.checkpoint import load_model, stored_matrix_dtypes
+from pagedserve.model.cpu_features import CpuFeatures
 from pagedserve.model.kernels import cpu_kernels_available
 from pagedserve.model.layers import can_use_cpu_kernels
 from pagedserve.model.quantization import logits_weight_dtype
@@ -46,13 +47,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    name: str, device: torch.device, cpu_kernels: bool, cpu: CpuFeatures
+) -> torch.dtype:
+    """The model's dtype for --dtype name. auto: bfloat16 on CUDA. On a CPU, float32 wherever
+    the C++ kernels run, whatever the CPU's bfloat16 support: they compute in float32 from the
+    checkpoint's own weights packed in their own format (q4_1, q8_0, bfloat16), which is exact,
+    batch-invariant and the fastest path on AVX2 and AVX-512 BF16 hosts alike. Without them,
+    bfloat16 where the CPU multiplies it in hardware (AVX-512 BF16, AMX); elsewhere it is
+    emulated, several times slower than float32."""
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16
-    # CPUs without AVX-512/AMX emulate bfloat16 products several times slower than float32.
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    if cpu_kernels:
+        return torch.float32
+    return torch.bfloat16 if cpu.native_bfloat16 else torch.float32
 
 
 # The packed dtype that holds a GGUF tensor of one quantization type exactly, in a fraction of
@@ -95,7 +105,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class ModelRunner:
     def __init__(self, model_dir: Path, config: EngineConfig, eos_token_ids: tuple[int, ...]):
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels_available()
+        self.dtype = resolve_dtype(config.dtype, self.device, kernels, CpuFeatures.host())
         self.block_size = config.block_size
         self.model = load_model(model_dir, self.dtype, self.device)
         # None: the linear weights are used as loaded, by F.linear.
@@ -118,6 +129,8 @@ class ModelRunner:
         self.decode_in_place = (
             config.decode_kernel and self.device.type == "cpu" and cpu_kernels_available()
         )
+        # Every token read in place, so that results are batch-invariant (AttentionBatch.build).
+        self.prefill_in_place = self.decode_in_place and config.batch_invariant
         self.kv_cache_dtype = (
             self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         )
@@ -132,6 +145,15 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         self.model.attach_kv_cache(self.num_blocks, config.block_size, self.kv_cache_dtype)
         self.eos_token_ids = eos_token_ids
+        if self.device.type == "cpu":
+            path = "C++ kernels" if self.packed_weight_dtypes is not None else "torch operators"
+            logger.info(
+                "CPU: %s; path: %s in %s (--dtype %s)",
+                CpuFeatures.host().describe(),
+                path,
+                _dtype_name(self.dtype),
+                config.dtype,
+            )
 
     def weights_summary(self) -> str:
         """For the start-up log, e.g. "float32 on cpu, linear weights packed as bfloat16"."""
@@ -178,6 +200,7 @@ class ModelRunner:
             self.model_config.sliding_window,
             self.device,
             self.decode_in_place,
+            self.prefill_in_place,
         )
         input_tensor = torch.tensor(input_ids, device=self.device)
         timer.lap("prepare")

@@ -6,8 +6,11 @@ decode or short chunk to its length. Within a call the packed queries are scatte
 [sequences, longest query] grid, each sequence's keys and values are gathered from its blocks, and
 a mask enforces causality, each sequence's own length and the sliding window.
 
-On the CPU, single-token decodes skip the gather: the C++ kernel of pagedserve.model.kernels reads
-their keys and values in place through the block tables, all decodes of a step in one call.
+On the CPU every token skips the gather by default: the C++ kernel of pagedserve.model.kernels
+reads its keys and values in place through the block tables, one row per token over its own
+context, all of a step's tokens in one call. A token's attention then depends on its sequence
+alone, never on how the step was batched or its prompt chunked (batch invariance). With
+--batch-invariant false only single-token decodes go there, and prompts are attended by SDPA.
 """
 
 from __future__ import annotations
@@ -110,9 +113,14 @@ class AttentionBatch:
         sliding_window: int | None,
         device: torch.device,
         decode_in_place: bool = False,
+        prefill_in_place: bool = False,
     ) -> AttentionBatch:
         """context_lens count each sequence's tokens after this step, the new ones included.
-        decode_in_place: single-token decodes go to the C++ kernel, as one group."""
+        decode_in_place: single-token decodes go to the C++ kernel, as one group. With
+        prefill_in_place too, every token goes there, one row per token attending over its own
+        context (its position and those before it), so a token's result is the same whether it
+        is decoded, prefilled in one piece or in chunks, or recomputed after preemption, and
+        whatever else is in the step; otherwise longer queries are attended by SDPA in groups."""
         if decode_in_place and max(query_lens) == 1:
             return cls._in_place_decodes(context_lens, block_tables, block_size, device)
         num_seqs = len(query_lens)
@@ -129,6 +137,9 @@ class AttentionBatch:
         slot_mapping = (
             tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         )
+        if decode_in_place and prefill_in_place:
+            rows = AttentionGroup.in_place_decodes(positions + 1, tables[seq_of_token], None)
+            return cls(positions, slot_mapping, [rows])
 
         def group(rows: list[int], token_index: torch.Tensor | None) -> AttentionGroup:
             width = max(len(block_tables[row]) for row in rows)

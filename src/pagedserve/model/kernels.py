@@ -2,13 +2,19 @@
 rotary embedding with the cache write, a decode step's decoder layers in one call, and argmax
 over rows), built on first use by torch.utils.cpp_extension and cached by it
 (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default), so only the first start on a
-machine pays the build (about 25 s here)."""
+machine pays the build.
+
+A build's directory is named by a hash of what it was built from: the sources, the compiler
+flags, torch's version and the CPU's instruction sets. Two checkouts, or two kinds of CPU sharing
+a home directory, each keep their own build instead of rebuilding over the other's, and no
+process loads a build made for instructions its CPU lacks."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -19,10 +25,13 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.model.cpu_features import CpuFeatures
+
 logger = logging.getLogger(__name__)
 
+_CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name
+    _CSRC / name
     for name in (
         "paged_decode.cpp",
         "packed_linear.cpp",
@@ -51,8 +60,6 @@ def cpu_kernels_available() -> bool:
     warning) when they cannot be built here, in which case the model runs on torch's own
     operators."""
     _put_ninja_on_path()
-    capability = torch.backends.cpu.get_cpu_capability()
-    vector_flags = [*_VECTOR_FLAGS[capability], *_X86_FLAGS] if capability in _VECTOR_FLAGS else []
     logger.info("loading the C++ CPU kernels (the first start on a machine builds them)")
     try:
         from torch.utils import cpp_extension  # imports setuptools, only needed here
@@ -62,7 +69,7 @@ def cpu_kernels_available() -> bool:
             cpp_extension.load(
                 name="pagedserve_kernels",
                 sources=[str(source) for source in _SOURCES],
-                extra_cflags=["-O3", "-fopenmp", *vector_flags],
+                extra_cflags=_cflags(),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_directory),
                 is_python_module=False,
@@ -73,11 +80,29 @@ def cpu_kernels_available() -> bool:
     return True
 
 
+def _cflags() -> list[str]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    vector_flags = [*_VECTOR_FLAGS[capability], *_X86_FLAGS] if capability in _VECTOR_FLAGS else []
+    return ["-O3", "-fopenmp", *vector_flags]
+
+
+def build_key(cpu: CpuFeatures | None = None) -> str:
+    """A hash of everything a build depends on: csrc/'s files, the flags, torch's version and
+    the instruction sets of the CPU (this one by default)."""
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(_cflags()).encode() + b"\0" + torch.__version__.encode() + b"\0")
+    digest.update(" ".join((cpu or CpuFeatures.host()).instruction_sets).encode())
+    return digest.hexdigest()[:16]
+
+
 def build_directory_of(cpp_extension) -> Path:
-    """Where the kernels are built: pagedserve_kernels under TORCH_EXTENSIONS_DIR, or under
+    """Where the kernels are built: pagedserve_kernels-KEY under TORCH_EXTENSIONS_DIR, or under
     torch's default root for extensions."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return Path(root) / "pagedserve_kernels"
+    return Path(root) / f"pagedserve_kernels-{build_key()}"
 
 
 @contextlib.contextmanager

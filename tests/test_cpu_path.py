@@ -1,0 +1,88 @@
+"""The path the engine takes by default on each kind of CPU: the resolution with the CPU's
+features given, and the path actually taken on this host."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedserve import LLM
+from pagedserve.engine.model_runner import resolve_dtype
+from pagedserve.model.cpu_features import CpuFeatures
+from pagedserve.model.kernels import build_directory_of, build_key
+
+ZEN3_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2
+
+processor\t: 1
+model name\t: (second processor, not read)
+"""
+AVX512 = "avx512f avx512dq avx512bw avx512vl"
+ZEN4 = CpuFeatures(
+    "AMD EPYC 9B14",
+    25,
+    17,
+    frozenset(f"avx avx2 fma f16c {AVX512} avx512_vnni avx512_bf16".split()),
+)
+SAPPHIRE_RAPIDS = CpuFeatures(
+    "Intel Xeon", 6, 143, frozenset(f"avx2 fma f16c {AVX512} amx_tile amx_bf16".split())
+)
+ZEN3 = CpuFeatures.parse(ZEN3_CPUINFO)
+CPU = torch.device("cpu")
+
+
+def test_cpuinfo_is_read_for_the_first_processor():
+    assert (ZEN3.model_name, ZEN3.family, ZEN3.model) == ("AMD EPYC 7B13", 25, 1)
+    assert ZEN3.instruction_sets == ("AVX2",)
+    assert not ZEN3.native_bfloat16
+    assert ZEN4.instruction_sets == ("AVX2", "AVX-512", "AVX-512 VNNI", "AVX-512 BF16")
+    assert ZEN4.describe() == (
+        "AMD EPYC 9B14 (family 25, model 17; AVX2, AVX-512, AVX-512 VNNI, AVX-512 BF16)"
+    )
+    assert SAPPHIRE_RAPIDS.native_bfloat16
+
+
+@pytest.mark.parametrize("cpu", [ZEN3, ZEN4, SAPPHIRE_RAPIDS], ids=["avx2", "avx512-bf16", "amx"])
+def test_auto_keeps_the_kernels_float32_path_on_every_cpu_where_they_build(cpu):
+    assert resolve_dtype("auto", CPU, cpu_kernels=True, cpu=cpu) == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("cpu", "expected"),
+    [(ZEN3, torch.float32), (ZEN4, torch.bfloat16), (SAPPHIRE_RAPIDS, torch.bfloat16)],
+    ids=["avx2", "avx512-bf16", "amx"],
+)
+def test_without_the_kernels_auto_takes_bfloat16_only_where_the_cpu_multiplies_it(cpu, expected):
+    assert resolve_dtype("auto", CPU, cpu_kernels=False, cpu=cpu) == expected
+
+
+def test_an_explicit_dtype_and_cuda_are_as_before():
+    assert resolve_dtype("bfloat16", CPU, cpu_kernels=True, cpu=ZEN3) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), cpu_kernels=False, cpu=ZEN3) == (
+        torch.bfloat16
+    )
+
+
+def test_the_default_path_on_this_host_is_the_kernels_in_float32(tiny_checkpoint, caplog):
+    host = CpuFeatures.host()
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.model_runner"):
+        runner = LLM(str(tiny_checkpoint("llama"))).engine.runner  # every setting its default
+    print(f"this host: {host.describe()}; dtype {runner.dtype}, {runner.weights_summary()}")
+    assert runner.dtype == torch.float32
+    assert runner.packed_weight_dtypes is not None  # the C++ kernels' packed products
+    assert f"CPU: {host.describe()}; path: C++ kernels in float32 (--dtype auto)" in caplog.text
+
+
+def test_kernel_builds_are_kept_apart_by_the_cpu_they_were_built_for():
+    from torch.utils import cpp_extension
+
+    assert build_key(ZEN3) != build_key(ZEN4) != build_key(SAPPHIRE_RAPIDS)
+    assert build_key(ZEN4) == build_key(ZEN4)
+    directory = build_directory_of(cpp_extension)
+    assert directory.name == f"pagedserve_kernels-{build_key(CpuFeatures.host())}"
