@@ -80,10 +80,20 @@ def cpu_kernels_available() -> bool:
     return True
 
 
+# Instructions beyond ATen's vector width that a kernel uses where this CPU has them (each has a
+# path without them, with the same results).
+_EXTRA_FLAGS = {"AVX-512 VNNI": ["-mavx512vnni"]}
+
+
 def _cflags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
-    vector_flags = [*_VECTOR_FLAGS[capability], *_X86_FLAGS] if capability in _VECTOR_FLAGS else []
-    return ["-O3", "-fopenmp", *vector_flags]
+    if capability not in _VECTOR_FLAGS:
+        return ["-O3", "-fopenmp"]
+    flags = [*_VECTOR_FLAGS[capability], *_X86_FLAGS]
+    if capability == "AVX512":
+        for instructions in CpuFeatures.host().instruction_sets:
+            flags += _EXTRA_FLAGS.get(instructions, [])
+    return ["-O3", "-fopenmp", *flags]
 
 
 def build_key(cpu: CpuFeatures | None = None) -> str:

@@ -116,10 +116,17 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
   return quantized;
 }
 
-// The eight features' int32 dot products of a block's values with a group's inputs.
+// The eight features' int32 dot products of a block's values with a group's inputs. The sums are
+// exact in integers, so both ways below give the same bits: with AVX-512 VNNI (the build enables
+// it where the CPU has it), vpdpbusd adds each feature's four products straight into its int32
+// lane; without it, vpmaddubsw makes int16 pair sums and vpmaddwd adds pairs of those.
 [[gnu::always_inline]] inline __m256i block_dots(const uint8_t* values, const int8_t* inputs) {
   const __m256i low_bits = _mm256_set1_epi8(15);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  __m256i sums = _mm256_setzero_si256();
+#else
   __m256i pair_sums = _mm256_setzero_si256();
+#endif
 #pragma GCC unroll 4
   for (int64_t v = 0; v < kVectors; ++v) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 32 * v));
@@ -128,10 +135,19 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
     int32_t first, second;
     std::memcpy(&first, inputs + 4 * v, 4);
     std::memcpy(&second, inputs + 16 + 4 * v, 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    sums = _mm256_dpbusd_epi32(sums, low, _mm256_set1_epi32(first));
+    sums = _mm256_dpbusd_epi32(sums, high, _mm256_set1_epi32(second));
+#else
     pair_sums = _mm256_add_epi16(pair_sums, _mm256_maddubs_epi16(low, _mm256_set1_epi32(first)));
     pair_sums = _mm256_add_epi16(pair_sums, _mm256_maddubs_epi16(high, _mm256_set1_epi32(second)));
+#endif
   }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return sums;
+#else
   return _mm256_madd_epi16(pair_sums, _mm256_set1_epi16(1));
+#endif
 }
 
 __m256 widen_halves(const uint8_t* halves) {
