@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -79,7 +80,12 @@ DOOR_EXAMPLES = [
     ("/v1/completions", {"prompt": ["one"] * 8}, "--max-waiting"),  # never admissible: 400
     ("/v1/chat/completions", {"messages": CHAT * 5000}, "messages"),
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
-]
+    ("/v1/completions", {"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    # The engine's "prompt" is a chat request's messages.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1100}]},
+     "messages"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("path", "change", "named"), DOOR_EXAMPLES)
@@ -89,6 +95,7 @@ def test_bad_values_are_refused_at_the_door_while_others_run(server, path, chang
     response, text = asyncio.run(_beside_good(server.base_url, path, body))
     error = _assert_openai_error(response, 400)
     assert named in error["message"] or named == error["param"], error
+    assert error["param"] is not None
     assert len(response.content) < 2000  # a few errors, however many items were bad
     alone = _post(server.base_url, "/v1/completions", json.dumps(GOOD).encode(), AUTH)
     assert text == alone.json()["choices"][0]["text"]
@@ -187,3 +194,20 @@ def test_a_stopped_engine_is_reported_by_health_until_the_exit(faulty_server):
     while faulty_server.process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert faulty_server.process.returncode == 1
+
+
+def test_a_shutdown_during_a_stream_is_no_engine_failure(tiny_checkpoint):
+    """SIGTERM while a request streams is an ordinary shutdown: uvicorn stops, then raises the
+    signal again (exit by SIGTERM, as a supervisor expects), not the engine failure's status 1."""
+    process = ServerProcess("--model", str(tiny_checkpoint("llama")), "--dtype", "float32")
+    try:
+        body = {"prompt": "Once", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{process.base_url}/v1/completions", json=body,
+                          timeout=60) as response:  # fmt: skip
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: {")
+            process.process.terminate()
+            assert process.process.wait(timeout=60) == -signal.SIGTERM
+        assert "engine loop stopped" not in process.log_tail(20_000)
+    finally:
+        process.close()

@@ -21,11 +21,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=_positive_int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request body accepted; larger ones get 413",
     )
     group.add_argument("--log-interval", type=float, default=5.0, help="seconds between stat lines")
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

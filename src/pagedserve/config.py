@@ -16,7 +16,7 @@ _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: bfloat16 where the device multiplies it fast, else float32
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; float32 on a CPU (model_runner.resolve_dtype)
     device: str = "auto"  # auto: cuda when present, else cpu
     block_size: int = 16
     max_num_seqs: int = 128
@@ -68,6 +68,10 @@ class EngineConfig:
                 f"packed_weight_dtype must be one of {PACKED_WEIGHT_DTYPES}, "
                 f"got {self.packed_weight_dtype!r}"
             )
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "cpu_kernels",
+                     "decode_kernel", "batch_invariant"):  # fmt: skip
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         parse_memory(self.kv_cache_memory)
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from pagedserve.validation import as_float32, check_unicode
 
@@ -87,13 +87,14 @@ class SamplingParams(BaseModel):
             raise ValueError(f"top_p {value} is 0 in float32, the precision the sampler uses")
         return value
 
-    @model_validator(mode="after")
-    def _min_within_max(self) -> SamplingParams:
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
-            )
-        return self
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, value: int, info: ValidationInfo) -> int:
+        # max_tokens is declared, so validated, first: the error then names min_tokens.
+        max_tokens = info.data.get("max_tokens")
+        if max_tokens is not None and value > max_tokens:
+            raise ValueError(f"min_tokens ({value}) must not exceed max_tokens ({max_tokens})")
+        return value
 
     @property
     def greedy(self) -> bool:

@@ -118,8 +118,9 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine stopped on an error") from self.dead_error
 
     def abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._commands.put(("abort", request_id))
+        """Ends a request submitted by add_requests, unless it has finished or ended already."""
+        if self._streams.pop(request_id, None) is not None:
+            self._commands.put(("abort", request_id))
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[StepOutput]:
         finished = False
@@ -146,6 +147,8 @@ class AsyncLLMEngine:
                 for output in outputs:
                     self._deliver(output.request_id, output)
         except Exception as error:  # the loop must tell every caller rather than die silently
+            if self._stopping.is_set():
+                return  # shutting down: the callers and their event loop are gone
             logger.exception(
                 "the engine loop stopped on an error; requests in the failed step: %s",
                 ", ".join(self.engine.step_request_ids) or "none",
@@ -184,5 +187,9 @@ class AsyncLLMEngine:
 
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
+        if stream is None:
+            return
+        try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # its event loop has closed: nobody is left to read it
+            self.abort(request_id)

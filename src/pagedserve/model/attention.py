@@ -97,8 +97,8 @@ class AttentionBatch:
 
     @property
     def in_place_decodes(self) -> AttentionGroup | None:
-        """The step's one group when every sequence in it decodes a token read in place by the
-        C++ kernel, else None."""
+        """The step's one group when every token in it is read in place by the C++ kernel (a
+        step of decodes, or any step when prompts are attended in place too), else None."""
         if len(self.groups) == 1 and self.groups[0].in_place:
             return self.groups[0]
         return None

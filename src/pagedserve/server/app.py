@@ -22,6 +22,7 @@ from pagedserve.server.errors import ApiError, error_response, validation_messag
 from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.server.responses import Choice, sse
+from pagedserve.validation import FieldError
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -74,21 +75,27 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await state.engine.add_requests(body.prompts(), params, request_id)
         run = _Completion(state.model_name, request_id, body, len(streams))
-        if body.stream:
-            return _event_stream(run.chunks(streams))
-        return await _unless_disconnected(request, run.response(streams))
+        return await _respond(state, request, run, streams)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
-        params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
+        try:
+            params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
+        except ValidationError as error:
+            message, param = validation_message(error)
+            if param == "max_tokens" and body.max_completion_tokens is not None:
+                message = message.replace("max_tokens", "max_completion_tokens")
+                raise FieldError("max_completion_tokens", message) from None
+            raise
         prompt = {"prompt_token_ids": await asyncio.to_thread(_chat_tokens, state, body)}
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await state.engine.add_requests([prompt], params, request_id)
+        try:
+            streams = await state.engine.add_requests([prompt], params, request_id)
+        except FieldError as error:
+            raise _as_chat_field(error, body) from None
         run = _ChatCompletion(state.model_name, request_id, body, len(streams))
-        if body.stream:
-            return _event_stream(run.chunks(streams))
-        return await _unless_disconnected(request, run.response(streams))
+        return await _respond(state, request, run, streams)
 
     return app
 
@@ -191,8 +198,40 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict 
     return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
 
 
-def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream")
+async def _respond(state: ServerState, request: Request, run: _Completion, streams: list):
+    """The response, streamed or whole; whatever it leaves unread (a client gone before or
+    while it is sent) is aborted, so that no request runs on, holding blocks, for nobody."""
+    ids = [f"{run.request_id}-{index}" for index in range(len(streams))]
+    if run.body.stream:
+        return _AbortingStream(run.chunks(streams), state.engine, ids)
+    try:
+        return await _unless_disconnected(request, run.response(streams))
+    finally:
+        for sub_id in ids:
+            state.engine.abort(sub_id)
+
+
+class _AbortingStream(StreamingResponse):
+    def __init__(self, chunks: AsyncIterator[str], engine: AsyncLLMEngine, ids: list[str]):
+        super().__init__(chunks, media_type="text/event-stream")
+        self.engine, self.ids = engine, ids
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for sub_id in self.ids:
+                self.engine.abort(sub_id)
+
+
+def _as_chat_field(error: FieldError, body: ChatCompletionRequest) -> FieldError:
+    """The engine names a completions request's fields; a chat request's prompt is its
+    messages, and its max_tokens may be max_completion_tokens."""
+    if error.field == "prompt":
+        error.field = "messages"
+    elif error.field == "max_tokens" and body.max_completion_tokens is not None:
+        error.field = "max_completion_tokens"
+    return error
 
 
 class _Completion:

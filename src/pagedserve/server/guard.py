@@ -36,7 +36,9 @@ class RequestGuard:
                 await response(scope, receive, send)
                 return
         declared = headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+        if declared is not None and not (
+            declared.isascii() and declared.isdigit() and int(declared) <= self.max_body_bytes
+        ):
             await self._too_large(scope, receive, send)
             return
         body = bytearray()

@@ -7,9 +7,10 @@ turns 503, and the process exits with status 1 within seconds, so that a supervi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
+import threading
+import time
 from pathlib import Path
 
 import uvicorn
@@ -41,34 +42,30 @@ def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
     metrics = ServerMetrics(registry, model_name, args.log_interval)
     async_engine = AsyncLLMEngine(engine, args.max_waiting, observers=[metrics.observe])
     state = ServerState(async_engine, model_name, args.api_key, registry, args.max_request_bytes)
-    config = uvicorn.Config(
-        build_app(state),
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_SECONDS,
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning")
     )
-    server = uvicorn.Server(config)
     async_engine.start()
+    watcher = threading.Thread(
+        target=_exit_when_engine_dies, args=(server, async_engine), daemon=True
+    )
+    watcher.start()
     logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
     try:
-        asyncio.run(_serve_while_engine_lives(server, async_engine))
+        server.run()
     finally:
         async_engine.shutdown()
     if async_engine.dead_error is not None:
         sys.exit(1)
 
 
-async def _serve_while_engine_lives(server: uvicorn.Server, engine: AsyncLLMEngine) -> None:
-    async def watch() -> None:
-        while engine.dead_error is None:
-            await asyncio.sleep(_ENGINE_CHECK_SECONDS)
-        logger.error("the engine has stopped; the server exits with status 1")
-        await asyncio.sleep(_EXIT_DELAY_SECONDS)
-        server.should_exit = True
-
-    watcher = asyncio.create_task(watch())
-    try:
-        await server.serve()
-    finally:
-        watcher.cancel()
+def _exit_when_engine_dies(server: uvicorn.Server, engine: AsyncLLMEngine) -> None:
+    """Stops the server once the engine has stopped; requests still open then (answered with
+    the engine's error already) get a few seconds to reach their clients. uvicorn's loop reads
+    should_exit on every tick."""
+    while engine.dead_error is None:
+        time.sleep(_ENGINE_CHECK_SECONDS)
+    logger.error("the engine has stopped; the server exits with status 1")
+    time.sleep(_EXIT_DELAY_SECONDS)
+    server.config.timeout_graceful_shutdown = _GRACEFUL_SHUTDOWN_SECONDS
+    server.should_exit = True
