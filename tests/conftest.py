@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -123,3 +125,11 @@ class ServerProcess(LocalServer):
 
     def __init__(self, *args: str, program: list[str] | None = None):
         super().__init__(list(args), startup_timeout=180.0, program=program)
+
+
+def metric(base_url: str, name: str, labels: str = "") -> float:
+    """The sum of a Prometheus metric's samples on a server's /metrics, those whose labels hold
+    `labels` (e.g. 'finished_reason="length"')."""
+    text = httpx.get(f"{base_url}/metrics").text
+    pattern = rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, flags=re.MULTILINE))

@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 import time
 
 import httpx
 import pytest
-from conftest import ServerProcess
+from conftest import ServerProcess, metric
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -272,12 +271,8 @@ def test_every_accepted_sampling_value_draws_an_allowed_token(
 
 
 def _gauges(base_url: str) -> dict[str, float]:
-    text = httpx.get(f"{base_url}/metrics").text
-    values = {}
-    for name in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"):
-        found = re.findall(rf"^pagedserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-        values[name] = sum(float(v) for v in found)
-    return values
+    names = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
+    return {name: metric(base_url, f"pagedserve:{name}") for name in names}
 
 
 def _wait_for_idle(base_url: str) -> dict[str, float]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 
 import httpx
 import openai
 import pytest
 from conftest import ServerProcess
+from conftest import metric as _metric
 
 from pagedserve import LLM, SamplingParams
 
@@ -50,13 +50,6 @@ def offline(checkpoint) -> LLM:
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def _metric(base_url: str, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{base_url}/metrics").text
-    pattern = rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$"
-    values = [float(v) for v in re.findall(pattern, text, flags=re.MULTILINE)]
-    return sum(values)
 
 
 def test_completion_matches_offline_and_streams_the_same_text(client, offline):

@@ -30,6 +30,11 @@ StepObserver = Callable[[LLMEngine, list[StepOutput]], None]
 _IDLE_POLL_SECONDS = 0.5
 
 
+def sub_request_ids(request_id: str, count: int) -> list[str]:
+    """The engine requests of a caller's request of `count` prompts, as add_requests names them."""
+    return [f"{request_id}-{index}" for index in range(count)]
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at its limit; the caller should retry later."""
 
@@ -76,7 +81,7 @@ class AsyncLLMEngine:
         self, prompts: list[PromptInput], params: SamplingParams, request_id: str
     ) -> list[AsyncIterator[StepOutput]]:
         """Validates and submits prompts as one unit, each an engine request of params.n samples
-        named f"{request_id}-{index}", and returns an iterator over each one's pieces. Raises at
+        named by sub_request_ids, and returns an iterator over each one's pieces. Raises at
         once, submitting none: ValueError for a bad prompt or more prompts than the queue can
         ever hold, QueueFullError while the queue has no room for all of them. Closing an
         iterator early aborts its request; one that is never iterated must be ended with
@@ -88,7 +93,7 @@ class AsyncLLMEngine:
                 f"{self.max_waiting} requests (--max-waiting)",
             )
         self._raise_if_dead()
-        ids = [f"{request_id}-{index}" for index in range(len(prompts))]
+        ids = sub_request_ids(request_id, len(prompts))
         seqs = await asyncio.to_thread(self._make_sequences, prompts, params, ids)
         # Checked after the await, so that the check and the submission are one atomic step.
         if self.num_waiting + len(seqs) > self.max_waiting:

@@ -15,7 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pagedserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    sub_request_ids,
+)
 from pagedserve.outputs import StepOutput
 from pagedserve.server import responses
 from pagedserve.server.errors import ApiError, error_response, validation_message
@@ -201,7 +206,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict 
 async def _respond(state: ServerState, request: Request, run: _Completion, streams: list):
     """The response, streamed or whole; whatever it leaves unread (a client gone before or
     while it is sent) is aborted, so that no request runs on, holding blocks, for nobody."""
-    ids = [f"{run.request_id}-{index}" for index in range(len(streams))]
+    ids = sub_request_ids(run.request_id, len(streams))
     if run.body.stream:
         return _AbortingStream(run.chunks(streams), state.engine, ids)
     try:

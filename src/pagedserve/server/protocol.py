@@ -100,7 +100,7 @@ class CompletionRequest(_GenerationRequest):
                     raise ValueError(f"prompt[{index}] is not a list of token ids like prompt[0]")
                 _check_token_list(f"prompt[{index}]", item)
         elif type(value[0]) is str:
-            bad = next((i for i, item in enumerate(value) if type(item) is not str), None)
+            bad = _first_not_of_type(value, str)
             if bad is not None:
                 raise ValueError(f"prompt[{bad}] is not a string like prompt[0]")
         else:
@@ -119,9 +119,14 @@ class CompletionRequest(_GenerationRequest):
 def _check_token_list(field: str, items: list) -> None:
     if not items:
         raise ValueError(f"{field} must not be an empty list")
-    if not all(type(item) is int for item in items):
-        index = next(i for i, item in enumerate(items) if type(item) is not int)
-        raise ValueError(f"{field}[{index}] is not a token id; prompt must be {_PROMPT_SHAPES}")
+    bad = _first_not_of_type(items, int)
+    if bad is not None:
+        raise ValueError(f"{field}[{bad}] is not a token id; prompt must be {_PROMPT_SHAPES}")
+
+
+def _first_not_of_type(items: list, kind: type) -> int | None:
+    """The index of the first item that is not exactly a `kind` (a bool is no int here)."""
+    return next((i for i, item in enumerate(items) if type(item) is not kind), None)
 
 
 class TextPart(BaseModel):
