@@ -28,7 +28,8 @@ test: setup
 serve: setup
 	$(BIN)/pagedserve serve $(ARGS)
 
-# Runs every benchmark and rewrites BENCHMARKS.md and docs/bench/ (20-35 minutes on 2 cores).
+# Runs every benchmark on this host, keeps its results in docs/bench/<kind of CPU>/ and rewrites
+# BENCHMARKS.md from every kind's results (20-35 minutes on 2 cores).
 bench: setup $(BENCH_PEERS)
 	$(BIN)/pagedserve bench report --threads $(BENCH_THREADS)
 

@@ -28,9 +28,9 @@ from pagedserve.bench.datasets import (
     w1_requests,
 )
 from pagedserve.bench.metrics import RequestResult, Slo, summarize
+from pagedserve.bench.records import Distribution, Run
 from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
 from pagedserve.bench.server_metrics import Histogram
-from pagedserve.bench.speed_sections import SEATED_WEIGHT_ROWS
 from pagedserve.bench.sweep import largest_meeting
 from pagedserve.timing import Stopwatch, device_clock, synchronize
 
@@ -61,21 +61,21 @@ def test_summary_percentiles_throughput_goodput_and_failures():
     slow = _result(0.0, [0.6, 1.0, 1.4], output_tokens=3)
     failed = RequestResult(start=0.0, error="HTTP 500: boom")
     summary = summarize([fast, failed, slow], duration=2.0, slo=Slo(ttft=500, tpot=500))
-    assert (summary["completed"], summary["failed"]) == (2, 1)
-    assert summary["failures"] == [{"index": 1, "error": "HTTP 500: boom"}]
-    assert summary["request_throughput"] == pytest.approx(1.0)
-    assert summary["output_throughput"] == pytest.approx(3.0)
-    assert summary["total_token_throughput"] == pytest.approx((20 + 6) / 2.0)
-    ttft = summary["ttft_ms"]
-    assert ttft["mean"] == pytest.approx(400)
-    assert ttft["p50"] == pytest.approx(400)
-    assert ttft["p99"] == pytest.approx(200 + 0.99 * 400)  # numpy's linear interpolation
-    assert summary["tpot_ms"]["mean"] == pytest.approx((100 + 400) / 2)
-    assert summary["itl_ms"]["p50"] == pytest.approx(250)  # gaps 100, 100, 400, 400
-    assert summary["e2e_ms"]["p90"] == pytest.approx(400 + 0.9 * 1000)
+    assert (summary.completed, summary.failed) == (2, 1)
+    assert [(f.index, f.error) for f in summary.failures] == [(1, "HTTP 500: boom")]
+    assert summary.request_throughput == pytest.approx(1.0)
+    assert summary.output_throughput == pytest.approx(3.0)
+    assert summary.total_token_throughput == pytest.approx((20 + 6) / 2.0)
+    ttft = summary.ttft_ms
+    assert ttft.mean == pytest.approx(400)
+    assert ttft.p50 == pytest.approx(400)
+    assert ttft.p99 == pytest.approx(200 + 0.99 * 400)  # numpy's linear interpolation
+    assert summary.tpot_ms.mean == pytest.approx((100 + 400) / 2)
+    assert summary.itl_ms.p50 == pytest.approx(250)  # gaps 100, 100, 400, 400
+    assert summary.e2e_ms.p90 == pytest.approx(400 + 0.9 * 1000)
     # Only `fast` meets TTFT <= 500 ms.
-    assert summary["good_requests"] == 1
-    assert summary["goodput"] == pytest.approx(0.5)
+    assert summary.good_requests == 1
+    assert summary.goodput == pytest.approx(0.5)
 
 
 def test_slo_parsing():
@@ -160,12 +160,27 @@ def test_histogram_quantiles_interpolate_within_buckets():
 
 
 def test_largest_batch_meeting_an_slo():
-    points = [
-        {"batch_size": b, "ttft_ms": {"p99": 10 * b}, "tpot_ms": {"p99": tpot}}
-        for b, tpot in ((1, 50), (2, 60), (4, 90), (8, 150))
-    ]
-    assert largest_meeting(points, Slo(tpot=100))["batch_size"] == 4
-    assert largest_meeting(points, Slo(tpot=100, ttft=25))["batch_size"] == 2
+    def point(batch: int, tpot_p99: float) -> Run:
+        def dist(p99: float) -> Distribution:
+            return Distribution(mean=p99, p50=p99, p90=p99, p99=p99)
+
+        return Run(
+            name="continuous",
+            batch_size=batch,
+            num_requests=batch,
+            duration_s=1.0,
+            prompt_tokens=batch,
+            output_tokens=batch,
+            output_throughput=batch,
+            total_token_throughput=2 * batch,
+            e2e_ms=dist(1000),
+            ttft_ms=dist(10 * batch),
+            tpot_ms=dist(tpot_p99),
+        )
+
+    points = [point(b, tpot) for b, tpot in ((1, 50), (2, 60), (4, 90), (8, 150))]
+    assert largest_meeting(points, Slo(tpot=100)).batch_size == 4
+    assert largest_meeting(points, Slo(tpot=100, ttft=25)).batch_size == 2
     assert largest_meeting(points, Slo(tpot=10)) is None
 
 
@@ -219,13 +234,13 @@ def test_bench_serve_against_a_real_server(server, tokenizer):
     requests = build_requests(DatasetSpec("random", 8, (4, 24), (2, 12), seed=3), tokenizer)
     config = ServeConfig(Target(server.base_url), request_rate=50.0, progress=False)
     summary = run_serve_benchmark(config, requests)
-    assert summary["failed"] == 0, summary["failures"]
-    assert summary["completed"] == 8
-    assert summary["total_prompt_tokens"] == sum(r.prompt_len for r in requests)
-    assert summary["total_output_tokens"] == sum(r.output_len for r in requests)
-    assert summary["ttft_ms"]["p50"] > 0 and summary["e2e_ms"]["p99"] >= summary["ttft_ms"]["p99"]
-    assert summary["server_ttft"]["count"] == 8
-    assert sum(b["client"] for b in summary["server_ttft"]["buckets"]) == 8
+    assert summary.failed == 0, summary.failures
+    assert summary.completed == 8
+    assert summary.total_prompt_tokens == sum(r.prompt_len for r in requests)
+    assert summary.total_output_tokens == sum(r.output_len for r in requests)
+    assert summary.ttft_ms.p50 > 0 and summary.e2e_ms.p99 >= summary.ttft_ms.p99
+    assert summary.server_ttft.count == 8
+    assert sum(b.client for b in summary.server_ttft.buckets) == 8
 
 
 def test_bench_serve_command_on_the_chat_endpoint(server, tmp_path, capsys):
@@ -300,8 +315,8 @@ def test_offline_runs_credit_each_request_its_own_tokens(checkpoint, tmp_path):
     assert ours.steps[-1].kv_blocks_used == 0
     assert sum(len(record.released) for record in ours.steps) == 5
     assert sum(record.first_tokens for record in ours.steps) == 5
-    steps = ours.summary()["steps"]
-    assert steps["steps"] == len(ours.steps) >= steps["prefill_steps"] + steps["decode_steps"]
+    steps = ours.summary().steps
+    assert steps.steps == len(ours.steps) >= steps.prefill_steps + steps.decode_steps
     for path in (
         policies_plot([ours, baseline], tmp_path / "p.png"),
         kv_usage_plot([ours], tmp_path / "kv.png"),
@@ -316,7 +331,7 @@ def test_step_counts_bound_what_continuous_batching_gains(checkpoint):
     from functools import partial
 
     from pagedserve.bench.offline import run_engine, with_fresh_llm
-    from pagedserve.bench.report_sections import step_count_bound
+    from pagedserve.bench.render import step_count_bound
 
     requests = [BenchRequest(list(range(100, 100 + n)), out) for n, out in ((5, 3), (6, 9), (7, 5))]
     engine_args = {"model": str(checkpoint), "dtype": "float32", "max_num_seqs": 2}
@@ -326,8 +341,8 @@ def test_step_counts_bound_what_continuous_batching_gains(checkpoint):
         ).summary()
         for policy in ("continuous", "static")
     )
-    assert (continuous["steps"]["steps"], continuous["steps"]["release_step_p50"]) == (9, 8)
-    assert (static["steps"]["steps"], static["steps"]["release_step_p50"]) == (14, 9)
+    assert (continuous.steps.steps, continuous.steps.release_step_p50) == (9, 8)
+    assert (static.steps.steps, static.steps.release_step_p50) == (14, 9)
     assert step_count_bound(continuous, static) == (14 / 9, 8 / 9)
 
 
@@ -335,11 +350,11 @@ def test_sweep_runs_one_wave_per_batch_size(checkpoint):
     from pagedserve.bench.sweep import run_sweep
 
     points = run_sweep({"model": str(checkpoint), "dtype": "float32"}, (1, 3), 5, 4)
-    assert [p["batch_size"] for p in points] == [1, 3]
-    assert [p["output_tokens"] for p in points] == [4, 12]
+    assert [p.batch_size for p in points] == [1, 3]
+    assert [p.output_tokens for p in points] == [4, 12]
     # One wave: every request is seated at once, so they share the first and the last steps.
-    assert all(p["steps"]["prefill_steps"] == 1 for p in points)
-    assert all(p["tpot_ms"]["p50"] > 0 for p in points)
+    assert all(p.steps.prefill_steps == 1 for p in points)
+    assert all(p.tpot_ms.p50 > 0 for p in points)
 
 
 def test_decode_step_profile_accounts_for_the_step(checkpoint):
@@ -389,12 +404,12 @@ def test_long_prompt_load_serves_every_token(checkpoint, chunked):
         max_num_batched_tokens=16 if chunked else 256,
     )
     result = run_long_prompt_load(llm, load)
-    streams, long_prompts = result["streams"], result["long_prompts"]
-    assert result["chunked_prefill"] is chunked
-    assert streams["completed"] == 3 and streams["total_output_tokens"] == 36
-    assert streams["itl_ms"]["p50"] > 0
-    assert long_prompts["completed"] == 2 and long_prompts["total_output_tokens"] == 4
-    assert long_prompts["total_prompt_tokens"] == 120
+    streams, long_prompts = result.streams, result.long_prompts
+    assert result.chunked_prefill is chunked
+    assert streams.completed == 3 and streams.total_output_tokens == 36
+    assert streams.itl_ms.p50 > 0
+    assert long_prompts.completed == 2 and long_prompts.total_output_tokens == 4
+    assert long_prompts.total_prompt_tokens == 120
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -422,14 +437,17 @@ def test_gguf_weight_bytes_count_every_tensor_at_its_quantized_size():
 
 
 def test_report_writes_every_section(checkpoint, tmp_path):
+    from pagedserve.bench.cli import main
+    from pagedserve.bench.records import HostResults
+    from pagedserve.bench.render import SEATED_ROWS
     from pagedserve.bench.report import ReportConfig, write_report
-    from pagedserve.bench.report_sections import fastest
     from pagedserve.bench.speed import LongPromptLoad
+    from pagedserve.model.cpu_features import CpuFeatures
 
     config = ReportConfig(
         model=str(checkpoint),
         dtype="float32",
-        plots_dir=tmp_path / "plots",
+        plots_dir=tmp_path / "bench",
         baseline_requests=2,
         baseline_batch_sizes=(1, 2),
         sweep_batch_sizes=(1, 2),
@@ -445,10 +463,33 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         long_prompt_load=LongPromptLoad(4, 4, 8, 48, 2, (0.0,)),
         chunked_budget=16,
     )
-    report = write_report(config, tmp_path / "BENCHMARKS.md").read_text()
+    # Another kind of host measured before: its results stay, and BENCHMARKS.md shows both.
+    kind = CpuFeatures.host().kind
+    host_dir = tmp_path / "bench" / kind
+    benchmarks = write_report(config, tmp_path / "BENCHMARKS.md").read_text()
+    results = (host_dir / "results.json").read_text()
+    host = HostResults.model_validate_json(results)
+    other = host.model_copy(deep=True)
+    other.machine.kind, other.date = "other-cpu-avx2", "2026-01-02"
+    (tmp_path / "bench" / "other-cpu-avx2").mkdir()
+    (tmp_path / "bench" / "other-cpu-avx2" / "results.json").write_text(other.model_dump_json())
+    main(["report", "--render-only", "--plots-dir", str(tmp_path / "bench"),
+          "--output", str(tmp_path / "BENCHMARKS.md")])  # fmt: skip
+    both = (tmp_path / "BENCHMARKS.md").read_text()
+    assert f"[{kind}](bench/{kind}/REPORT.md) ({host.date})" in benchmarks
+    assert "other-cpu-avx2" not in benchmarks
+    assert both.index(f"[{kind}]") < both.index("[other-cpu-avx2](bench/other-cpu-avx2/REPORT.md)")
+    assert both.count("## Targets on ") == 2 and both.count("| 6.1 | W1 output tokens/s") == 2
+    assert HostResults.model_validate_json(results) == host  # JSON round trip, field by field
+    for plot in ("w1_policies.png", "w1_kv_cache.png", "sweep.png", "seed_timeline.png"):
+        assert (host_dir / plot).read_bytes().startswith(b"\x89PNG")
+
+    report = (host_dir / "REPORT.md").read_text()
     for heading in (
         "## Continuous against static batching on W1",
         "## Against transformers' `generate`",
+        "## KV cache usage over time on W1",
+        "## The seed scenario, step by step",
         "## Prefix caching",
         "## Engine speed targets",
         "### W1 with every request seated: offline and over HTTP",
@@ -456,97 +497,71 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         "### Long prompts arriving: chunked prefill",
     ):
         assert heading in report
+    assert "{{" not in report and "{%" not in report
     targets = report.split("## Engine speed targets")[1].split("###")[0]
-    assert targets.count("\n| ") == 1 + 10  # the header and one row per target
-    raw = json.loads((tmp_path / "plots" / "results.json").read_text())
+    assert targets.count("\n| ") == 1 + len(host.targets)
+    assert len(host.targets) == 9  # no llama.cpp row: the checkpoint is no GGUF file
+    d = host.details
     # The ceilings are measured first and again last; the higher of each rate counts.
-    stage_names = list(raw["stage_seconds"])
+    stage_names = list(d.stage_seconds)
     assert (stage_names[0], stage_names[-1]) == ("ceilings", "ceilings again")
-    ceilings, measured = raw["ceilings"], raw["ceilings"]["measurements"]
-    assert len(measured) == 2
-    flops = [m["matmul_gflops"]["float32"] for m in measured]
-    assert ceilings["matmul_gflops"]["float32"] == max(flops)
-    assert ceilings["bandwidth_gbs"] == max(m["bandwidth_gbs"] for m in measured)
+    flops = [m.matmul_gflops["float32"] for m in d.ceilings.measurements]
+    assert len(flops) == 2 and d.ceilings.matmul_gflops["float32"] == max(flops)
+    assert d.ceilings.bandwidth_gbs == max(m.bandwidth_gbs for m in d.ceilings.measurements)
     assert f"(float32 matmul {flops[0]:.1f} then {flops[1]:.1f} GFLOP/s;" in report
-    assert raw["speed"]["w1_http"]["failed"] == 0
-    assert raw["speed"]["w1_http"]["total_output_tokens"] == 8632
-    assert raw["speed"]["w1_all_seated"]["output_tokens"] == 8632
-    assert [p["batch"] for p in raw["speed"]["step_profiles"]] == [1, 4]
-    alone = raw["speed"]["single_stream"]
+    assert d.http.failed == 0 and d.http.total_output_tokens == 8632
+    assert [p.batch for p in d.profiles] == [1, 4]
     narrow = ("bfloat16", "int8", "q4_1", "q4_1_q8")
     narrow_runs = [f"ours, {dtype} packed weights" for dtype in narrow]
-    assert [run["name"] for run in alone] == ["ours", "transformers", *narrow_runs]
-    assert [run["output_tokens"] for run in alone] == [8] * 6
+    assert [run.name for run in d.single_stream] == ["ours", "transformers", *narrow_runs]
+    assert [run.output_tokens for run in d.single_stream] == [8] * 6
     # Two rounds, the engines taking turns; each keeps its faster run.
-    assert [name for name in raw["stage_seconds"] if "single" in name] == [
+    assert [name for name in stage_names if "single" in name] == [
         "single stream 1",
         "single stream 2",
     ]
-    for run in alone:
-        rates = run["round_output_throughputs"]
-        assert len(rates) == 2 and run["output_throughput"] == max(rates)
-        assert f"{run['name']} {rates[0]:.1f}, {rates[1]:.1f}" in report
+    for run in d.single_stream:
+        rates = run.round_output_throughputs
+        assert len(rates) == 2 and run.output_throughput == max(rates)
+        assert f"{run.name} {rates[0]:.1f}, {rates[1]:.1f}" in report
     # The checkpoint is no GGUF file, so llama.cpp has nothing to run.
-    assert raw["speed"]["llama_cpp"] is None
+    assert d.llama_cpp is None
     assert "llama.cpp was not measured in this run" in report
-    agreements = raw["speed"]["narrow_weights_agreement"]
     variants = [{"packed_weight_dtype": dtype} for dtype in narrow]
     names = [*narrow, "bfloat16 KV cache"]
     for agreement, variant, name in zip(
-        agreements, [*variants, {"kv_cache_dtype": "bfloat16"}], names, strict=True
+        d.agreement, [*variants, {"kv_cache_dtype": "bfloat16"}], names, strict=True
     ):
-        assert agreement["variant"] == variant
-        assert (agreement["requests"], agreement["output_tokens"]) == (2, 8)
-        assert f"{name}: {agreement['identical']} of 2 identical" in report
-    continuous, static = (run["steps"] for run in raw["w1"])
-    assert f"would give **{static['steps'] / continuous['steps']:.2f}x** static's" in report
+        assert agreement.variant == variant
+        assert (agreement.requests, agreement.output_tokens) == (2, 8)
+        assert f"{name}: {agreement.identical} of 2 identical" in report
+    continuous, static = (run.steps for run in d.policies)
+    assert f"would give\n**{static.steps / continuous.steps:.2f}x** static's" in report
     # Two rounds of each policy, taking turns; the tables hold each policy's faster run.
-    assert list(raw["stage_seconds"])[1:5] == [
-        "W1 continuous 1",
-        "W1 static 1",
-        "W1 continuous 2",
-        "W1 static 2",
-    ]
-    assert "Each policy ran W1 2 times" in report
-    durations = report.split("Durations in the order run: ")[1].split("\n")[0]
-    for run in raw["w1"]:
-        assert f"{run['duration_s']:.1f}" in durations
+    assert stage_names[1:5] == ["W1 continuous 1", "W1 static 1", "W1 continuous 2", "W1 static 2"]
+    durations = report.split("Durations in the order run:")[1].split("\n\n")[0]
+    for run in d.policies:
+        assert f"{run.duration_s:.1f}" in durations
+        assert run.duration_s == min(d.policy_durations[run.name])
     # W1 all seated, offline and over HTTP taking turns; the targets use each one's faster run.
-    seated_stages = [name for name in raw["stage_seconds"] if "seated" in name or "HTTP" in name]
-    assert seated_stages == [
-        "W1 all seated 1",
-        "W1 all seated, bfloat16 KV cache 1",
-        "W1 all seated, q4_1 weights 1",
-        "W1 all seated, q4_1_q8 weights 1",
-        "W1 over HTTP 1",
-        "W1 all seated 2",
-        "W1 all seated, bfloat16 KV cache 2",
-        "W1 all seated, q4_1 weights 2",
-        "W1 all seated, q4_1_q8 weights 2",
-        "W1 over HTTP 2",
+    rounds = [f"W1 all seated{'' if row == 'float32' else f', {row}'}" for row in SEATED_ROWS]
+    assert [name for name in stage_names if "seated" in name or "HTTP" in name] == [
+        f"{name} {round_}" for round_ in (1, 2) for name in [*rounds, "W1 over HTTP"]
     ]
-    speed = raw["speed"]
-    http_rates = [run["output_throughput"] for run in speed["w1_http_rounds"]]
-    assert speed["w1_http"]["output_throughput"] == max(http_rates)
-    seated_durations = [run["duration_s"] for run in speed["w1_all_seated_rounds"]]
-    assert speed["w1_all_seated"]["duration_s"] == min(seated_durations)
-    assert f"over HTTP {http_rates[0]:.1f}, {http_rates[1]:.1f}." in report
-    narrow_kv = speed["w1_all_seated_bfloat16_kv_rounds"]
-    assert [run["output_tokens"] for run in narrow_kv] == [8632, 8632]
-    narrow_kv_rates = ", ".join(f"{run['output_throughput']:.1f}" for run in narrow_kv)
-    assert f"with a bfloat16 KV cache {narrow_kv_rates};" in report
-    assert "| offline, bfloat16 KV cache (`--kv-cache-dtype bfloat16`) |" in report
-    for dtype in ("q4_1", "q4_1_q8"):
-        runs = speed[f"w1_all_seated_{dtype}_rounds"]
-        assert [run["output_tokens"] for run in runs] == [8632, 8632]
-        rates = ", ".join(f"{run['output_throughput']:.1f}" for run in runs)
-        assert f"with {dtype} weights {rates};" in report
-        assert f"| {SEATED_WEIGHT_ROWS[dtype]} |" in report
+    http_rates = [run.output_throughput for run in d.http_rounds]
+    assert d.http.output_throughput == max(http_rates)
+    for row, label in SEATED_ROWS.items():
+        runs = d.seated[row]
+        assert [run.output_tokens for run in runs] == [8632, 8632]
+        assert d.fastest_seated(row).duration_s == min(run.duration_s for run in runs)
+        assert f"{row} {', '.join(f'{run.output_throughput:.1f}' for run in runs)}" in report
+        assert f"| {label.format(seats=64)} |" in report
+    assert d.seated["q4_1"][0].packed_weight_dtype == "q4_1"
     # The target rows run float32 packed weights, whatever auto would pick.
-    assert "the rows below set float32 unless they say otherwise) | float32 |" in report
+    assert "(the rows below pin these unless they say otherwise) | float32 |" in report
     # and so do the commands shown beside them: both policies, the baseline, the sweep, bench
     # serve's server, and W1's offline and server commands.
     assert report.count("--packed-weight-dtype float32") == 7
-    baseline = raw["transformers_baseline"]
-    assert [run["batch_size"] for run in baseline] == [2, 1, 2]
-    assert f"at its best batch size here, {fastest(baseline[1:])['batch_size']}." in report
+    assert [run.batch_size for run in d.baseline] == [2, 1, 2]
+    best = max(d.baseline[1:], key=lambda run: run.output_throughput)
+    assert f"at its best batch size here, {best.batch_size}." in report

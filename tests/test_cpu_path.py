@@ -48,6 +48,14 @@ def test_cpuinfo_is_read_for_the_first_processor():
     assert SAPPHIRE_RAPIDS.native_bfloat16
 
 
+def test_each_kind_of_cpu_keeps_its_own_benchmark_results():
+    """The name docs/bench/<kind>/ keeps a kind's results under: model and instruction sets."""
+    assert ZEN3.kind == "amd-epyc-7b13-avx2"
+    assert ZEN4.kind == "amd-epyc-9b14-avx512-vnni-bf16"
+    assert SAPPHIRE_RAPIDS.kind == "intel-xeon-avx512-amx"
+    assert CpuFeatures("unknown CPU", None, None, frozenset()).kind == "unknown-cpu-generic"
+
+
 @pytest.mark.parametrize("cpu", [ZEN3, ZEN4, SAPPHIRE_RAPIDS], ids=["avx2", "avx512-bf16", "amx"])
 def test_auto_keeps_the_kernels_float32_path_on_every_cpu_where_they_build(cpu):
     assert resolve_dtype("auto", CPU, cpu_kernels=True, cpu=cpu) == torch.float32

@@ -254,19 +254,18 @@ def test_n_above_max_num_seqs_is_refused(checkpoint):
         llm.generate({"prompt_token_ids": BASE}, _greedy(n=3))
 
 
-def test_benchmark_runs_both_ways_and_formats_a_section(checkpoint, monkeypatch):
+def test_benchmark_runs_both_ways(checkpoint, monkeypatch):
     from pagedserve.bench import prefix_caching as bench
 
     for name, value in [("NUM_REQUESTS", 4), ("SYSTEM_PROMPT_TOKENS", 48), ("SUFFIX_TOKENS", 8)]:
         monkeypatch.setattr(bench, name, value)
     monkeypatch.setattr(bench, "OUTPUT_TOKENS", 4)
     results = bench.run_prefix_caching_benchmark(str(checkpoint), dtype="float32")
-    on, off = results["runs"]["on"], results["runs"]["off"]
+    on, off = results.on, results.off
     # Three of four requests find the 48 shared tokens (three blocks of 16).
-    assert on["prefix_cache_hit_rate"] == pytest.approx(3 * 48 / (4 * 56))
-    assert off["prefix_cache_hit_rate"] is None
+    assert on.prefix_cache_hit_rate == pytest.approx(3 * 48 / (4 * 56))
+    assert off.prefix_cache_hit_rate is None
     # Shared: 3 blocks plus 1 of each request's own; apart: 4 each.
-    assert (on["peak_kv_blocks"], off["peak_kv_blocks"]) == (3 + 4, 4 * 4)
-    assert on["ttft_p50_s"] > 0 and off["output_tokens_per_s"] > 0
-    section = bench.format_markdown(results)
-    assert "| on |" in section and "| off |" in section and "64.3%" in section
+    assert (on.peak_kv_blocks, off.peak_kv_blocks) == (3 + 4, 4 * 4)
+    assert on.ttft_p50_s > 0 and off.output_tokens_per_s > 0
+    assert results.num_requests == 4 and results.system_prompt_tokens == 48

@@ -10,88 +10,15 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import asdict, dataclass, field
 
 import torch
 
+from pagedserve.bench.records import Ceilings, Machine, ModelCost
 from pagedserve.model.cpu_features import CpuFeatures
 from pagedserve.model.decoder import DecoderModel
 from pagedserve.model.layers import Linear, PackedWeight, can_use_cpu_kernels
 from pagedserve.model.quantization import BYTES_PER_WEIGHT, logits_weight_dtype
 from pagedserve.timing import Stopwatch
-
-
-@dataclass
-class Ceilings:
-    matmul_gflops: dict[str, float]  # by dtype name
-    bandwidth_gbs: float  # bytes read per second, in 1e9
-    threads: int  # torch's intra-op threads while these were measured
-    # Mean microseconds of a decode-sized product, by thread count (CPU only).
-    small_product_us: dict[int, float] = field(default_factory=dict)
-    # The rates of each measurement these are the best of (see best_of), in the order measured.
-    measurements: list[dict] = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    @staticmethod
-    def best_of(measured: list[Ceilings]) -> Ceilings:
-        """The highest of each rate over measurements of one machine at different times: a busy
-        spell on a shared machine only slows a measurement down. The decode-sized product's
-        times are the first measurement's."""
-        first = measured[0]
-        return Ceilings(
-            matmul_gflops={
-                name: max(c.matmul_gflops[name] for c in measured) for name in first.matmul_gflops
-            },
-            bandwidth_gbs=max(c.bandwidth_gbs for c in measured),
-            threads=first.threads,
-            small_product_us=first.small_product_us,
-            measurements=[
-                {"matmul_gflops": c.matmul_gflops, "bandwidth_gbs": c.bandwidth_gbs}
-                for c in measured
-            ],
-        )
-
-
-@dataclass
-class ModelCost:
-    weight_elements: int  # every weight, read once per decode step
-    element_size: int  # bytes per weight, in the model's dtype
-    packed_elements: int  # of those, the linear maps' (the tied output projection included)
-    logits_elements: int  # of those, the output projection's
-    flops_per_token: float
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.weight_elements * self.element_size
-
-    def step_bytes(self, packed_weight_dtype: str | None = None) -> float:
-        """The bytes of weights a decode step reads, with the linear maps' weights packed as
-        packed_weight_dtype when given (--packed-weight-dtype)."""
-        if packed_weight_dtype is None:
-            return self.weight_bytes
-        logits_size = BYTES_PER_WEIGHT[logits_weight_dtype(packed_weight_dtype)]
-        return (
-            (self.weight_elements - self.packed_elements) * self.element_size
-            + (self.packed_elements - self.logits_elements) * BYTES_PER_WEIGHT[packed_weight_dtype]
-            + self.logits_elements * logits_size
-        )
-
-    def compute_bound_tokens_per_s(self, ceilings: Ceilings, dtype: str) -> float:
-        return 1e9 * ceilings.matmul_gflops[dtype] / self.flops_per_token
-
-    def bandwidth_bound_tokens_per_s(
-        self, ceilings: Ceilings, packed_weight_dtype: str | None = None
-    ) -> float:
-        """Tokens/s of one stream that reads every weight once per token (see step_bytes)."""
-        return 1e9 * ceilings.bandwidth_gbs / self.step_bytes(packed_weight_dtype)
-
-    def ideal_tokens_per_s(self, ceilings: Ceilings, dtype: str, batch: int) -> float:
-        return min(
-            self.compute_bound_tokens_per_s(ceilings, dtype),
-            batch * self.bandwidth_bound_tokens_per_s(ceilings),
-        )
 
 
 def _best_seconds(
@@ -165,6 +92,19 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     )
 
 
+def step_bytes(cost: ModelCost, packed_weight_dtype: str | None = None) -> float:
+    """The bytes of weights a decode step reads, with the linear maps' weights packed as
+    packed_weight_dtype when given (--packed-weight-dtype)."""
+    if packed_weight_dtype is None:
+        return cost.weight_bytes
+    logits_size = BYTES_PER_WEIGHT[logits_weight_dtype(packed_weight_dtype)]
+    return (
+        (cost.weight_elements - cost.packed_elements) * cost.element_size
+        + (cost.packed_elements - cost.logits_elements) * BYTES_PER_WEIGHT[packed_weight_dtype]
+        + cost.logits_elements * logits_size
+    )
+
+
 def model_cost(model: DecoderModel) -> ModelCost:
     """From a loaded decoder: its weight bytes in checkpoint layout (whether or not the linear
     weights were packed since), and 2 FLOPs per weight that multiplies."""
@@ -180,21 +120,23 @@ def model_cost(model: DecoderModel) -> ModelCost:
     else:
         logits_elements = model.lm_head.in_features * model.lm_head.out_features
     return ModelCost(
-        linear_elements + other_elements,
-        model.embed_tokens.element_size(),
-        multiplied,
-        logits_elements,
-        2.0 * multiplied,
+        weight_elements=linear_elements + other_elements,
+        element_size=model.embed_tokens.element_size(),
+        packed_elements=multiplied,
+        logits_elements=logits_elements,
+        flops_per_token=2.0 * multiplied,
     )
 
 
-def machine_description() -> dict:
-    return {
-        "cpu": CpuFeatures.host().describe(),  # model, family/model and instruction sets
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "native_bfloat16": CpuFeatures.host().native_bfloat16,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
+def this_machine() -> Machine:
+    cpu = CpuFeatures.host()
+    return Machine(
+        cpu=cpu.describe(),
+        kind=cpu.kind,
+        cores=os.cpu_count() or 1,
+        torch_threads=torch.get_num_threads(),
+        native_bfloat16=cpu.native_bfloat16,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    )

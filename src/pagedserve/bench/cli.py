@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 from pathlib import Path
+
+from pydantic_core import to_json
 
 from pagedserve.bench.datasets import DATASETS, DatasetSpec, parse_range
 from pagedserve.bench.metrics import Slo
@@ -73,7 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = kinds.add_parser("report", help="run every benchmark and write BENCHMARKS.md")
     report.add_argument("--output", type=Path, default=Path("BENCHMARKS.md"))
-    report.add_argument("--plots-dir", type=Path, default=Path("docs/bench"))
+    report.add_argument(
+        "--plots-dir",
+        type=Path,
+        default=Path("docs/bench"),
+        help="results, plots and REPORT.md, in a folder per kind of host",
+    )
+    report.add_argument(
+        "--render-only",
+        action="store_true",
+        help="measure nothing: rewrite --output from the results kept under --plots-dir",
+    )
     report.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2)")
     report.add_argument("--dtype", default="auto")
     report.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -133,9 +144,10 @@ def _requests(args: argparse.Namespace, need_tokenizer: bool, model: str | None 
     return build_requests(spec, tokenizer), tokenizer
 
 
-def _write(result: dict, path: Path | None) -> None:
+def _write(result: object, path: Path | None) -> None:
+    """Writes result (records, or lists and dicts of them) as JSON."""
     if path is not None:
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        path.write_bytes(to_json(result, indent=2) + b"\n")
         print(f"results written to {path}")
 
 
@@ -158,13 +170,13 @@ def _serve(args: argparse.Namespace) -> None:
     )
     summary = run_serve_benchmark(config, requests, tokenizer)
     print(serve_table(summary))
-    for failure in summary["failures"]:
-        print(f"request {failure['index']} failed: {failure['error']}")
+    for failure in summary.failures:
+        print(f"request {failure.index} failed: {failure.error}")
     _write(summary, args.result_file)
 
 
 def _throughput(args: argparse.Namespace) -> None:
-    from pagedserve.bench.report_sections import fastest, output_ratio
+    from pagedserve.bench.records import fastest, output_ratio
     from pagedserve.bench.tables import offline_table
     from pagedserve.bench.throughput import run_throughput
 
@@ -178,7 +190,7 @@ def _throughput(args: argparse.Namespace) -> None:
     if len(runs) > 1:
         best = fastest(runs[1:])
         print(
-            f"\n{runs[0]['name']} / {best['name']} at batch {best['batch_size']} (its best) "
+            f"\n{runs[0].name} / {best.name} at batch {best.batch_size} (its best) "
             f"output tokens/s: {output_ratio(runs[0], best):.2f}x"
         )
     _write({"runs": runs}, args.result_file)
@@ -196,13 +208,18 @@ def _sweep(args: argparse.Namespace) -> None:
     print(sweep_table(points))
     print(
         f"largest max_num_seqs meeting p99 {args.slo.as_dict()} ms:",
-        best["batch_size"] if best else "none",
+        best.batch_size if best else "none",
     )
     print(f"plot written to {sweep_plot(points, args.slo, best, args.plot)}")
     _write({"points": points, "slo_ms": args.slo.as_dict()}, args.result_file)
 
 
 def _report(args: argparse.Namespace) -> None:
+    if args.render_only:
+        from pagedserve.bench.render import write_benchmarks
+
+        print(f"report written to {write_benchmarks(args.plots_dir, args.output)}")
+        return
     from pagedserve.bench.report import ReportConfig, write_report
 
     config = ReportConfig(

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedserve.bench.records import Distribution, Failure, ServeRun
+
 QUANTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 
@@ -81,38 +83,39 @@ class Slo:
         )
 
 
-def distribution_ms(seconds: Iterable[float]) -> dict[str, float] | None:
+def distribution_ms(seconds: Iterable[float]) -> Distribution | None:
     """Mean and percentiles in ms; None when there is nothing to summarize."""
     values = 1000 * np.asarray(list(seconds), dtype=float)
     if values.size == 0:
         return None
-    summary = {"mean": float(values.mean())}
-    summary |= {f"p{q}": float(np.percentile(values, q)) for q in QUANTILES}
-    return summary
+    percentiles = {f"p{q}": float(np.percentile(values, q)) for q in QUANTILES}
+    return Distribution(mean=float(values.mean()), **percentiles)
 
 
-def summarize(results: list[RequestResult], duration: float, slo: Slo | None = None) -> dict:
+def summarize(results: list[RequestResult], duration: float, slo: Slo | None = None) -> ServeRun:
     """The figures of one benchmark run that took `duration` seconds of wall time."""
     done = [r for r in results if r.ok]
     prompt_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
-    summary = {
-        "num_requests": len(results),
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "failures": [{"index": i, "error": r.error} for i, r in enumerate(results) if not r.ok],
-        "duration_s": duration,
-        "total_prompt_tokens": prompt_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": len(done) / duration,
-        "output_throughput": output_tokens / duration,
-        "total_token_throughput": (prompt_tokens + output_tokens) / duration,
-        "ttft_ms": distribution_ms(r.ttft for r in done),
-        "tpot_ms": distribution_ms(r.tpot for r in done if r.tpot is not None),
-        "itl_ms": distribution_ms(gap for r in done for gap in r.itls),
-        "e2e_ms": distribution_ms(r.e2e for r in done),
-    }
+    summary = ServeRun(
+        num_requests=len(results),
+        completed=len(done),
+        failed=len(results) - len(done),
+        failures=[
+            Failure(index=i, error=r.error) for i, r in enumerate(results) if r.error is not None
+        ],
+        duration_s=duration,
+        total_prompt_tokens=prompt_tokens,
+        total_output_tokens=output_tokens,
+        request_throughput=len(done) / duration,
+        output_throughput=output_tokens / duration,
+        total_token_throughput=(prompt_tokens + output_tokens) / duration,
+        ttft_ms=distribution_ms(r.ttft for r in done),
+        tpot_ms=distribution_ms(r.tpot for r in done if r.tpot is not None),
+        itl_ms=distribution_ms(gap for r in done for gap in r.itls),
+        e2e_ms=distribution_ms(r.e2e for r in done),
+    )
     if slo is not None and slo.as_dict():
-        good = sum(slo.met_by(r) for r in done)
-        summary |= {"slo_ms": slo.as_dict(), "good_requests": good, "goodput": good / duration}
+        summary.good_requests = sum(slo.met_by(r) for r in done)
+        summary.slo_ms, summary.goodput = slo.as_dict(), summary.good_requests / duration
     return summary

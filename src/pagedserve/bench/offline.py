@@ -13,10 +13,11 @@ from typing import TypeVar
 
 import torch
 
-from pagedserve.bench.ceilings import ModelCost, model_cost
+from pagedserve.bench.ceilings import model_cost
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.bench.metrics import distribution_ms
-from pagedserve.bench.trace import KvLayout, StepRecord, StepRecorder, step_summary
+from pagedserve.bench.records import KvLayout, ModelCost, Run, Setup
+from pagedserve.bench.trace import StepRecord, StepRecorder, kv_layout, step_summary
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.llm import LLM
 from pagedserve.outputs import RequestOutput
@@ -45,9 +46,23 @@ class EngineSetup:
             engine.model_dir,
             runner.dtype,
             runner.device,
-            KvLayout.of(engine),
+            kv_layout(engine),
             model_cost(runner.model),
             None if packed is None else packed.linear_maps,
+        )
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def record(self) -> Setup:
+        return Setup(
+            model=self.model_dir.name,
+            dtype=self.dtype_name,
+            device=str(self.device),
+            packed_weight_dtype=self.packed_weight_dtype,
+            kv_layout=self.kv_layout,
+            cost=self.cost,
         )
 
 
@@ -65,21 +80,22 @@ class OfflineRun:
     started: float = 0.0  # time.monotonic() at the start, the clock of `steps`
     setup: EngineSetup | None = None
 
-    def summary(self) -> dict:
-        return {
-            "name": self.name,
-            "batch_size": self.batch_size,
-            "num_requests": len(self.e2e_s),
-            "duration_s": self.duration_s,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "output_throughput": self.output_tokens / self.duration_s,
-            "total_token_throughput": (self.prompt_tokens + self.output_tokens) / self.duration_s,
-            "e2e_ms": distribution_ms(self.e2e_s),
-            "ttft_ms": None if self.ttft_s is None else distribution_ms(self.ttft_s),
-            "tpot_ms": None if self.tpot_s is None else distribution_ms(self.tpot_s),
-            "steps": step_summary(self.steps) if self.steps else None,
-        }
+    def summary(self, **fields) -> Run:
+        """The run's figures; fields sets any others (a name, the packed dtype it pinned)."""
+        return Run(
+            name=self.name,
+            batch_size=self.batch_size,
+            num_requests=len(self.e2e_s),
+            duration_s=self.duration_s,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.output_tokens,
+            output_throughput=self.output_tokens / self.duration_s,
+            total_token_throughput=(self.prompt_tokens + self.output_tokens) / self.duration_s,
+            e2e_ms=distribution_ms(self.e2e_s),
+            ttft_ms=None if self.ttft_s is None else distribution_ms(self.ttft_s),
+            tpot_ms=None if self.tpot_s is None else distribution_ms(self.tpot_s),
+            steps=step_summary(self.steps) if self.steps else None,
+        ).model_copy(update=fields)
 
 
 def with_fresh_llm(engine_args: dict, work: Callable[[LLM], T], **overrides) -> T:

@@ -14,6 +14,7 @@ from matplotlib.ticker import LogLocator, ScalarFormatter
 
 from pagedserve.bench.metrics import Slo
 from pagedserve.bench.offline import OfflineRun
+from pagedserve.bench.records import Run
 from pagedserve.bench.timeline import HELD, Segment
 
 DPI = 90
@@ -28,17 +29,17 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def sweep_plot(points: list[dict], slo: Slo, best: dict | None, path: Path) -> Path:
+def sweep_plot(points: list[Run], slo: Slo, best: Run | None, path: Path) -> Path:
     """TPOT and TTFT (p50, p99) against output tokens/s, one point per max_num_seqs."""
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-    throughput = [p["output_throughput"] for p in points]
+    throughput = [p.output_throughput for p in points]
     for ax, name, limit in zip(axes, ("tpot", "ttft"), (slo.tpot, slo.ttft), strict=True):
         for q, style in (("p50", "o-"), ("p99", "s--")):
-            ax.plot(throughput, [p[f"{name}_ms"][q] for p in points], style, label=q)
+            ax.plot(throughput, [_ms(p, name, q) for p in points], style, label=q)
         for p, x in zip(points, throughput, strict=True):
             ax.annotate(
-                str(p["batch_size"]),
-                (x, p[f"{name}_ms"]["p99"]),
+                str(p.batch_size),
+                (x, _ms(p, name, "p99")),
                 fontsize=7,
                 textcoords="offset points",
                 xytext=(3, 4),
@@ -47,11 +48,11 @@ def sweep_plot(points: list[dict], slo: Slo, best: dict | None, path: Path) -> P
             ax.axhline(limit, color="red", lw=0.8, label=f"SLO {limit:g} ms")
         if best is not None:
             ax.plot(
-                best["output_throughput"],
-                best[f"{name}_ms"]["p99"],
+                best.output_throughput,
+                _ms(best, name, "p99"),
                 "r*",
                 ms=14,
-                label=f"largest batch meeting SLO: {best['batch_size']}",
+                label=f"largest batch meeting SLO: {best.batch_size}",
             )
         ax.set(
             xlabel="output tokens/s",
@@ -66,6 +67,10 @@ def sweep_plot(points: list[dict], slo: Slo, best: dict | None, path: Path) -> P
         ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.legend(fontsize=7)
     return _save(figure, path)
+
+
+def _ms(run: Run, latency: str, quantile: str) -> float:
+    return getattr(getattr(run, f"{latency}_ms"), quantile)
 
 
 def policies_plot(runs: list[OfflineRun], path: Path) -> Path:

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from pagedserve.bench.records import PrefixCaching, PrefixCachingRun
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
@@ -35,37 +36,27 @@ def build_prompts(engine: LLMEngine, seed: int = 0) -> list[list[int]]:
     return [system + rng.choices(ordinary, k=SUFFIX_TOKENS) for _ in range(NUM_REQUESTS)]
 
 
-def run_prefix_caching_benchmark(model: str | None = None, **engine_args) -> dict:
-    """Runs the workload with caching on, then off; returns the settings and, per run ("on",
-    "off"), TTFT p50/p99 in seconds, output tokens/s, peak KV blocks in use and more."""
-    results: dict = {
-        "workload": {
-            "num_requests": NUM_REQUESTS,
-            "system_prompt_tokens": SYSTEM_PROMPT_TOKENS,
-            "suffix_tokens": SUFFIX_TOKENS,
-            "output_tokens": OUTPUT_TOKENS,
-        },
-        "runs": {},
-    }
+def run_prefix_caching_benchmark(model: str | None = None, **engine_args) -> PrefixCaching:
+    """Runs the workload with caching on, then off, with the same settings otherwise."""
     prompts: list[list[int]] | None = None
+    runs = {}
     for caching in (True, False):
         config = EngineConfig(model=model, enable_prefix_caching=caching, **engine_args)
         engine = LLMEngine(config)
         prompts = prompts or build_prompts(engine)
-        results["engine"] = {
-            "model": engine.model_dir.name,
-            "dtype": str(engine.runner.dtype).removeprefix("torch."),
-            "device": str(engine.runner.device),
-            "num_kv_blocks": engine.block_manager.num_blocks,
-            "block_size": engine.block_manager.block_size,
-        }
-        results["runs"]["on" if caching else "off"] = _measure(engine, prompts)
+        runs["on" if caching else "off"] = _measure(engine, prompts)
         del engine  # its KV cache goes before the next one is allocated
         gc.collect()
-    return results
+    return PrefixCaching(
+        num_requests=NUM_REQUESTS,
+        system_prompt_tokens=SYSTEM_PROMPT_TOKENS,
+        suffix_tokens=SUFFIX_TOKENS,
+        output_tokens=OUTPUT_TOKENS,
+        **runs,
+    )
 
 
-def _measure(engine: LLMEngine, prompts: list[list[int]]) -> dict:
+def _measure(engine: LLMEngine, prompts: list[list[int]]) -> PrefixCachingRun:
     _warm_up(engine)
     stats, bm = engine.stats, engine.block_manager
     queries, hits, steps = stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_steps
@@ -82,16 +73,16 @@ def _measure(engine: LLMEngine, prompts: list[list[int]]) -> dict:
     duration = time.monotonic() - started
     ttft = [r.metrics.first_token_time - r.metrics.arrival_time for r in results]
     queried = stats.prefix_cache_queries - queries
-    return {
-        "ttft_p50_s": float(np.percentile(ttft, 50)),
-        "ttft_p99_s": float(np.percentile(ttft, 99)),
-        "output_tokens_per_s": sum(len(r.outputs[0].token_ids) for r in results) / duration,
-        "peak_kv_blocks": peak_blocks,
-        "prefix_cache_hit_rate": (stats.prefix_cache_hits - hits) / queried if queried else None,
-        "duration_s": duration,
-        "num_steps": stats.num_steps - steps,
-        "num_preemptions": engine.scheduler.num_preemptions,
-    }
+    return PrefixCachingRun(
+        ttft_p50_s=float(np.percentile(ttft, 50)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        output_tokens_per_s=sum(len(r.outputs[0].token_ids) for r in results) / duration,
+        peak_kv_blocks=peak_blocks,
+        prefix_cache_hit_rate=(stats.prefix_cache_hits - hits) / queried if queried else None,
+        duration_s=duration,
+        num_steps=stats.num_steps - steps,
+        num_preemptions=engine.scheduler.num_preemptions,
+    )
 
 
 def _warm_up(engine: LLMEngine) -> None:
@@ -100,42 +91,3 @@ def _warm_up(engine: LLMEngine) -> None:
     engine.add_request({"prompt_token_ids": list(range(100, 164))}, params)
     while engine.has_unfinished_requests():
         engine.step()
-
-
-def format_markdown(results: dict) -> str:
-    """A BENCHMARKS.md section for what run_prefix_caching_benchmark returned."""
-    workload, setup, runs = results["workload"], results["engine"], results["runs"]
-    lines = [
-        "## Prefix caching",
-        "",
-        f"{workload['num_requests']} requests share a {workload['system_prompt_tokens']}-token "
-        f"system prompt and differ in a {workload['suffix_tokens']}-token suffix; "
-        f"{workload['output_tokens']} output tokens each (greedy, end-of-sequence ignored), all "
-        "arriving at once. In-process through `LLMEngine`, the same settings with prefix caching "
-        f"on and then off: {setup['model']}, {setup['dtype']} on {setup['device']}, a KV cache "
-        f"of {setup['num_kv_blocks']} blocks of {setup['block_size']} tokens. Peak KV blocks: "
-        "the most blocks held by requests after any step.",
-        "",
-        "| prefix caching | TTFT p50 | TTFT p99 | output tokens/s | peak KV blocks | "
-        "hit rate | duration |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, run in runs.items():
-        rate = run["prefix_cache_hit_rate"]
-        lines.append(
-            f"| {name} | {_seconds(run['ttft_p50_s'])} | {_seconds(run['ttft_p99_s'])} | "
-            f"{run['output_tokens_per_s']:.1f} | {run['peak_kv_blocks']} | "
-            f"{'-' if rate is None else f'{100 * rate:.1f}%'} | {_seconds(run['duration_s'])} |"
-        )
-    on, off = runs["on"], runs["off"]
-    lines += [
-        "",
-        f"With caching on: TTFT p50 {off['ttft_p50_s'] / on['ttft_p50_s']:.1f}x lower, "
-        f"{off['peak_kv_blocks'] / on['peak_kv_blocks']:.1f}x fewer peak KV blocks, "
-        f"{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}x the output tokens/s.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _seconds(value: float) -> str:
-    return f"{1000 * value:.0f} ms" if value < 1 else f"{value:.2f} s"

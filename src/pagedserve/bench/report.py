@@ -1,11 +1,12 @@
 """`pagedserve bench report` (what `make bench` runs): every benchmark in one run, one after the
-other in one process, written to BENCHMARKS.md with its plots and raw results."""
+other in one process, kept per kind of host (docs/bench/<kind>/: results.json, plots, REPORT.md),
+and BENCHMARKS.md rewritten from every kind's results."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,9 +17,8 @@ from typing import TypeVar
 
 import torch
 
-from pagedserve.bench import report_sections as sections
-from pagedserve.bench import speed_sections
-from pagedserve.bench.ceilings import Ceilings, measure_ceilings
+from pagedserve.bench import plots
+from pagedserve.bench.ceilings import measure_ceilings, step_bytes, this_machine
 from pagedserve.bench.client import Target
 from pagedserve.bench.datasets import (
     BenchRequest,
@@ -35,18 +35,37 @@ from pagedserve.bench.llama_cpp_peer import (
 )
 from pagedserve.bench.metrics import Slo
 from pagedserve.bench.offline import EngineSetup, OfflineRun, run_engine, with_fresh_llm
+from pagedserve.bench.prefix_caching import run_prefix_caching_benchmark
+from pagedserve.bench.records import (
+    Ceilings,
+    Details,
+    HostResults,
+    KvUsage,
+    LlamaCpp,
+    LongPromptRun,
+    Run,
+    SeedTimeline,
+    ServeRun,
+    StepProfile,
+    fastest_of_rounds,
+)
+from pagedserve.bench.render import (
+    SEATED_ROWS,
+    headline,
+    targets,
+    write_benchmarks,
+    write_host_report,
+)
 from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
 from pagedserve.bench.speed import (
     LongPromptLoad,
-    StepProfile,
     greedy_agreement,
     profile_decode_steps,
     run_long_prompt_load,
 )
-from pagedserve.bench.speed_sections import SpeedFigures
-from pagedserve.bench.sweep import DEFAULT_BATCH_SIZES, fixed_requests, run_sweep
+from pagedserve.bench.sweep import DEFAULT_BATCH_SIZES, fixed_requests, largest_meeting, run_sweep
 from pagedserve.bench.throughput import run_throughput
-from pagedserve.bench.timeline import Segment, run_seed_scenario
+from pagedserve.bench.timeline import HELD, Segment, run_seed_scenario
 from pagedserve.engine.model_runner import resolve_device
 from pagedserve.model.source import gguf_file
 from pagedserve.server.process import LocalServer
@@ -117,20 +136,40 @@ class ReportConfig:
 
 
 def write_report(config: ReportConfig, output: Path) -> Path:
+    """Runs every benchmark on this host; writes its results, plots and REPORT.md under
+    config.plots_dir/<kind>/, then BENCHMARKS.md from every kind's results there."""
     started, load_before = time.monotonic(), os.getloadavg()[0]
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    config.plots_dir.mkdir(parents=True, exist_ok=True)
-    plots_link = Path(os.path.relpath(config.plots_dir.resolve(), output.parent.resolve()))
+    machine = this_machine()
+    host_dir = config.plots_dir / machine.kind
+    host_dir.mkdir(parents=True, exist_ok=True)
     stages = _Stages()
-    body, raw = _measure_and_render(config, plots_link, stages)
-    minutes = (time.monotonic() - started) / 60
-    loads = (load_before, os.getloadavg()[0])
-    head = sections.header(date.today(), minutes, loads, stages.seconds)
-    output.write_text(head + "\n" + body)
-    raw["stage_seconds"] = stages.seconds
-    (config.plots_dir / "results.json").write_text(json.dumps(raw, indent=1) + "\n")
-    return output
+    details = _measure(config, host_dir, stages)
+    details.minutes = (time.monotonic() - started) / 60
+    details.load_average = (load_before, os.getloadavg()[0])
+    host = HostResults(
+        date=date.today().isoformat(),
+        commit=_commit(),
+        machine=machine,
+        headline=headline(details),
+        targets=targets(details, machine),
+        details=details,
+    )
+    (host_dir / "results.json").write_text(host.model_dump_json(indent=1) + "\n")
+    write_host_report(host, config, host_dir / "REPORT.md")
+    return write_benchmarks(config.plots_dir, output)
+
+
+def _commit() -> str:
+    """The checkout's commit, when this runs from one."""
+    try:
+        found = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return found.stdout.strip()
 
 
 @dataclass
@@ -148,29 +187,26 @@ class _Stages:
         return result
 
 
-def _measure_and_render(
-    config: ReportConfig, plots_link: Path, stages: _Stages
-) -> tuple[str, dict]:
-    """Runs every benchmark; returns the markdown below the header and the raw figures."""
-    engine_args, batch, requests = config.engine_args, config.w1_batch_size, w1_requests()
+def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
+    """Runs every benchmark, drawing the plots of what records do not keep step by step."""
+    engine_args, requests = config.engine_args, w1_requests()
     measure = partial(measure_ceilings, resolve_device("auto"))
     first_ceilings = stages.run("ceilings", measure)
-    all_policy_runs = [
+    policy_runs = [
         stages.run(f"W1 {policy} {round_}", partial(_w1_run, config, requests, policy))
         for round_ in range(1, config.w1_policy_rounds + 1)
         for policy in POLICIES
     ]
-    durations = {
-        policy: [run.duration_s for run in all_policy_runs if run.name == policy]
-        for policy in POLICIES
-    }
-    runs = [
-        min((run for run in all_policy_runs if run.name == policy), key=lambda run: run.duration_s)
+    policies = [
+        min((run for run in policy_runs if run.name == policy), key=lambda run: run.duration_s)
         for policy in POLICIES
     ]
-    setup = runs[0].setup
+    plots.policies_plot(policies, plots_dir / "w1_policies.png")
+    plots.kv_usage_plot(policies, plots_dir / "w1_kv_cache.png")
+    setup = policies[0].setup
+    assert setup is not None
     baseline = stages.run("transformers baseline", partial(_baseline_runs, config))
-    points = stages.run(
+    sweep = stages.run(
         "sweep",
         partial(
             run_sweep,
@@ -180,54 +216,71 @@ def _measure_and_render(
             config.sweep_output_len,
         ),
     )
+    best = largest_meeting(sweep, config.sweep_slo)
+    plots.sweep_plot(sweep, config.sweep_slo, best, plots_dir / "sweep.png")
     segments = stages.run("seed timeline", partial(_seed_timelines, engine_args))
-    serve = stages.run("bench serve", partial(_serve_run, config, setup, batch))
-    seated_runs, narrow_kv_runs, narrow_weight_runs, http_runs = _w1_seated_rounds(
-        config, requests, stages
-    )
-    speed = SpeedFigures(
-        all_seated_runs=seated_runs,
-        narrow_kv_seated_runs=narrow_kv_runs,
-        narrow_weight_seated_runs=narrow_weight_runs,
-        http_runs=http_runs,
-        single_stream=_single_stream_rounds(config, stages),
-        llama_cpp=stages.run("llama.cpp", partial(_llama_cpp_runs, config, requests)),
-        narrow_weights_agreement=stages.run(
-            "narrow weights agreement", partial(_narrow_weights_agreement, config)
-        ),
-        profiles=stages.run("step profiles", partial(_profile_runs, config)),
-        long_prompts=stages.run("long prompts", partial(_long_prompt_runs, config)),
-        baseline=baseline,
-        policies=runs,
-    )
-    prefix = stages.run("prefix caching", partial(sections.prefix_caching, engine_args))
+    plots.timeline_plot(segments, plots_dir / "seed_timeline.png")
+    serve = stages.run("bench serve", partial(_serve_run, config, setup))
+    seated, http_rounds = _w1_seated_rounds(config, requests, stages)
+    single_stream = _single_stream_rounds(config, setup, stages)
+    llama_cpp = stages.run("llama.cpp", partial(_llama_cpp_runs, config, requests))
+    agreement = stages.run("narrow weights agreement", partial(_narrow_weights_agreement, config))
+    profiles = stages.run("step profiles", partial(_profile_runs, config))
+    long_prompts = stages.run("long prompts", partial(_long_prompt_runs, config))
+    prefix = stages.run("prefix caching", partial(run_prefix_caching_benchmark, **engine_args))
     # Measured again last, so that a busy spell at the start cannot set them alone.
     ceilings = Ceilings.best_of([first_ceilings, stages.run("ceilings again", measure)])
-    context = sections.Context(config.plots_dir, plots_link, ceilings, setup)
-    body = "\n".join(
-        [
-            sections.machine(context),
-            sections.ceilings(context, batch),
-            sections.w1_policies(context, runs, durations),
-            sections.transformers_baseline(context, baseline),
-            sections.kv_usage(context, runs),
-            sections.sweep(context, points, config),
-            sections.seed_timeline(context, segments),
-            sections.serving(context, serve, config, batch),
-            prefix,
-            speed_sections.speed_targets(context, speed, config),
-        ]
+    return Details(
+        minutes=0.0,
+        load_average=(0.0, 0.0),
+        stage_seconds=stages.seconds,
+        setup=setup.record(),
+        ceilings=ceilings,
+        policies=[run.summary() for run in policies],
+        policy_durations={
+            policy: [run.duration_s for run in policy_runs if run.name == policy]
+            for policy in POLICIES
+        },
+        kv_usage=[_kv_usage(run) for run in policies],
+        baseline=[run.summary() for run in baseline],
+        sweep=sweep,
+        seed=_seed_timeline(segments),
+        serve=serve,
+        prefix_caching=prefix,
+        seated=seated,
+        http_rounds=http_rounds,
+        single_stream=single_stream,
+        llama_cpp=llama_cpp,
+        agreement=agreement,
+        profiles=profiles,
+        long_prompts=long_prompts,
     )
-    raw = {
-        "machine": sections.machine_facts(context),
-        "ceilings": ceilings.as_dict(),
-        "w1": [run.summary() for run in runs],
-        "transformers_baseline": [run.summary() for run in baseline],
-        "sweep": points,
-        "serve": serve,
-        "speed": speed.as_dict(),
-    }
-    return body, raw
+
+
+def _kv_usage(run: OfflineRun) -> KvUsage:
+    """The most KV cache a W1 run held, paged, and what contiguous reservations for the same
+    seats would have held at the same step."""
+    assert run.setup is not None
+    layout = run.setup.kv_layout
+    per_token = layout.bytes_per_token
+    return KvUsage(
+        name=run.name,
+        paged_bytes=max(r.kv_blocks_used for r in run.steps) * layout.block_size * per_token,
+        reserved_bytes=max(r.reserved_tokens for r in run.steps) * per_token,
+        contiguous_bytes=max(len(r.running) for r in run.steps) * layout.max_model_len * per_token,
+    )
+
+
+def _seed_timeline(segments: dict[str, list[Segment]]) -> SeedTimeline:
+    return SeedTimeline(
+        c_starts={
+            policy: min(s.first_step for s in parts if s.request == "C")
+            for policy, parts in segments.items()
+        },
+        held_steps=sum(
+            s.last_step - s.first_step + 1 for s in segments["static"] if s.state == HELD
+        ),
+    )
 
 
 def _w1_run(
@@ -249,97 +302,93 @@ def _w1_run(
 
 def _w1_seated_rounds(
     config: ReportConfig, requests: list[BenchRequest], stages: _Stages
-) -> tuple[list[OfflineRun], list[OfflineRun], dict[str, list[OfflineRun]], list[dict]]:
-    """W1 with every request seated, round after round: offline, offline with a bfloat16 KV
-    cache, offline with each packed weight dtype that has a row (SEATED_WEIGHT_ROWS), then over
+) -> tuple[dict[str, list[Run]], list[ServeRun]]:
+    """W1 with every request seated, round after round: offline for each row of SEATED_ROWS
+    (the weights pinned as the report's, a bfloat16 KV cache, each packed format), then over
     HTTP."""
-    seated, narrow_kv, http = [], [], []
-    narrow_weights: dict[str, list[OfflineRun]] = {
-        dtype: [] for dtype in speed_sections.SEATED_WEIGHT_ROWS
+    variants = {
+        "float32": {},
+        "bfloat16 KV cache": {"kv_cache_dtype": "bfloat16"},
+        "q4_1": {"packed_weight_dtype": "q4_1"},
+        "q4_1_q8": {"packed_weight_dtype": "q4_1_q8"},
     }
+    assert list(variants) == list(SEATED_ROWS)
+    seated: dict[str, list[Run]] = {row: [] for row in variants}
+    http: list[ServeRun] = []
     offline = partial(_w1_run, config, requests, "continuous", config.w1_all_seated)
     for round_ in range(1, config.w1_seated_rounds + 1):
-        seated.append(stages.run(f"W1 all seated {round_}", offline))
-        narrow_kv.append(
-            stages.run(
-                f"W1 all seated, bfloat16 KV cache {round_}",
-                partial(offline, kv_cache_dtype="bfloat16"),
-            )
-        )
-        for dtype, runs in narrow_weights.items():
-            runs.append(
-                stages.run(
-                    f"W1 all seated, {dtype} weights {round_}",
-                    partial(offline, packed_weight_dtype=dtype),
-                )
-            )
+        for row, variant in variants.items():
+            name = "W1 all seated" + (f", {row}" if variant else "")
+            run = stages.run(f"{name} {round_}", partial(offline, **variant))
+            seated[row].append(run.summary(packed_weight_dtype=variant.get("packed_weight_dtype")))
         http.append(stages.run(f"W1 over HTTP {round_}", partial(_w1_http_run, config, requests)))
-    return seated, narrow_kv, narrow_weights, http
+    return seated, http
 
 
-def _w1_http_run(config: ReportConfig, requests: list[BenchRequest]) -> dict:
+def _w1_http_run(config: ReportConfig, requests: list[BenchRequest]) -> ServeRun:
     """All of W1 streamed at once to a server with every request seated; the summary gains the
     server's peak resident memory."""
     with _server(config, config.w1_all_seated) as server:
-        serve_config = ServeConfig(Target(server.base_url), progress=False)
-        summary = run_serve_benchmark(serve_config, requests)
-        summary["server_peak_rss_bytes"] = server.peak_rss_bytes()
+        summary = run_serve_benchmark(
+            ServeConfig(Target(server.base_url), progress=False), requests
+        )
+        summary.server_peak_rss_bytes = server.peak_rss_bytes()
     return summary
 
 
-def _single_stream_rounds(config: ReportConfig, stages: _Stages) -> list[dict]:
+def _single_stream_rounds(config: ReportConfig, setup: EngineSetup, stages: _Stages) -> list[Run]:
     """The single-stream request through each engine, round after round: each one's fastest
     run, in the order of a round."""
     rounds = [
-        stages.run(f"single stream {round_}", partial(_single_stream_round, config))
+        stages.run(f"single stream {round_}", partial(_single_stream_round, config, setup))
         for round_ in range(1, config.single_stream_rounds + 1)
     ]
-    return [sections.fastest_of_rounds(list(runs)) for runs in zip(*rounds, strict=True)]
+    return [fastest_of_rounds(list(runs)) for runs in zip(*rounds, strict=True)]
 
 
-def _single_stream_round(config: ReportConfig) -> list[dict]:
+def _single_stream_round(config: ReportConfig, setup: EngineSetup) -> list[Run]:
     """One request alone through our engine, through transformers' generate, then through our
-    engine with each narrower dtype of packed weights."""
-    prompt_len, output_len = config.single_stream
-    requests = fixed_requests(1, prompt_len, output_len)
+    engine with each narrower dtype of packed weights; ours carry the bytes a step reads."""
+    requests = fixed_requests(1, *config.single_stream)
     engine_args = {**config.engine_args, "max_num_seqs": 1}
-    ours, transformers = (
-        run.summary() for run in run_throughput(engine_args, requests, "transformers")
-    )
+    ours, transformers = run_throughput(engine_args, requests, "transformers")
     work = partial(run_engine, requests=requests)
     narrow = [
-        with_fresh_llm(engine_args, work, packed_weight_dtype=dtype).summary()
-        | {"name": f"ours, {dtype} packed weights", "packed_weight_dtype": dtype}
+        with_fresh_llm(engine_args, work, packed_weight_dtype=dtype).summary(
+            name=f"ours, {dtype} packed weights",
+            packed_weight_dtype=dtype,
+            step_bytes=step_bytes(setup.cost, dtype),
+        )
         for dtype in NARROW_WEIGHT_DTYPES
     ]
-    return [ours | {"name": "ours"}, transformers, *narrow]
+    ours_run = ours.summary(
+        name="ours", step_bytes=step_bytes(setup.cost, setup.packed_weight_dtype)
+    )
+    return [ours_run, transformers.summary(), *narrow]
 
 
-def _llama_cpp_runs(config: ReportConfig, requests: list[BenchRequest]) -> dict | None:
+def _llama_cpp_runs(config: ReportConfig, requests: list[BenchRequest]) -> LlamaCpp | None:
     """The single-stream request, then all of W1 at once, through llama.cpp on the model's GGUF
     file with as many threads as ours; None when llama-cpp-python is not installed or the model
     is no GGUF file."""
     gguf_path = gguf_file(config.model)
     if gguf_path is None or not llama_cpp_installed():
         return None
-    threads = torch.get_num_threads()
+    threads, file_bytes = torch.get_num_threads(), gguf_weight_bytes(gguf_path)
     request = fixed_requests(1, *config.single_stream)[0]
-    alone = sections.fastest_of_rounds(
-        [
-            run_llama_cpp(request, gguf_path, threads).summary()
-            for _ in range(config.single_stream_rounds)
-        ]
+    alone = [
+        run_llama_cpp(request, gguf_path, threads).summary(step_bytes=file_bytes)
+        for _ in range(config.single_stream_rounds)
+    ]
+    return LlamaCpp(
+        gguf=gguf_path.name,
+        step_bytes=file_bytes,
+        single_stream=fastest_of_rounds(alone),
+        w1_all_seated=run_llama_cpp_batched(requests, gguf_path, threads).summary(),
     )
-    batched = run_llama_cpp_batched(requests, gguf_path, threads)
-    return {
-        "gguf": gguf_path.name,
-        "step_bytes": gguf_weight_bytes(gguf_path),
-        "single_stream": alone,
-        "w1_all_seated": batched.summary(),
-    }
 
 
-def _narrow_weights_agreement(config: ReportConfig) -> list[dict]:
+def _narrow_weights_agreement(config: ReportConfig):
     """W1's first requests, outputs capped, greedy from float32 and from each narrower dtype of
     packed weights, then from a bfloat16 KV cache."""
     requests = [
@@ -359,7 +408,7 @@ def _profile_runs(config: ReportConfig) -> list[StepProfile]:
     return with_fresh_llm(config.engine_args, work, max_num_seqs=max(config.profile_batches))
 
 
-def _long_prompt_runs(config: ReportConfig) -> list[dict]:
+def _long_prompt_runs(config: ReportConfig) -> list[LongPromptRun]:
     """The same load without chunked prefill, then with it under config.chunked_budget."""
     work = partial(run_long_prompt_load, load=config.long_prompt_load)
     return [
@@ -378,9 +427,9 @@ def _seed_timelines(engine_args: dict) -> dict[str, list[Segment]]:
     return {policy: run_seed_scenario(engine_args, policy) for policy in POLICIES}
 
 
-def _serve_run(config: ReportConfig, setup: EngineSetup, batch: int) -> dict:
+def _serve_run(config: ReportConfig, setup: EngineSetup) -> ServeRun:
     requests = build_requests(config.serve_dataset, load_tokenizer(setup.model_dir))
-    with _server(config, batch) as server:
+    with _server(config, config.w1_batch_size) as server:
         serve_config = ServeConfig(
             Target(server.base_url),
             request_rate=config.serve_rate,

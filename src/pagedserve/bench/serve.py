@@ -20,6 +20,7 @@ from pagedserve.bench.datasets import (
     text_with_length,
 )
 from pagedserve.bench.metrics import QUANTILES, RequestResult, Slo, summarize
+from pagedserve.bench.records import ServerTtft, ServeRun, TtftBucket
 from pagedserve.bench.server_metrics import Histogram, scrape_ttft
 
 
@@ -35,7 +36,9 @@ class ServeConfig:
     request_timeout: float | None = None  # seconds between stream reads; None waits forever
 
 
-def run_serve_benchmark(config: ServeConfig, requests: list[BenchRequest], tokenizer=None) -> dict:
+def run_serve_benchmark(
+    config: ServeConfig, requests: list[BenchRequest], tokenizer=None
+) -> ServeRun:
     """Sends every request as config says; returns the run's summary (see metrics.summarize),
     with the server's own TTFT histogram for the run beside the client's TTFTs."""
     with httpx.Client(timeout=30) as probe:
@@ -48,13 +51,13 @@ def run_serve_benchmark(config: ServeConfig, requests: list[BenchRequest], token
         results, duration = asyncio.run(_send_all(config, bodies))
         after = scrape_ttft(probe, config.target.base_url)
     summary = summarize(results, duration, config.slo)
-    summary["requested"] = {
+    summary.requested = {
         "prompt_tokens": sum(r.prompt_len for r in requests),
         "output_tokens": sum(r.output_len for r in requests),
     }
     server = after.minus(before) if before is not None and after is not None else after
-    summary["server_ttft"] = ttft_comparison(server, [r for r in results if r.ok])
-    summary["config"] = {
+    summary.server_ttft = ttft_comparison(server, [r for r in results if r.ok])
+    summary.config = {
         "base_url": config.target.base_url,
         "endpoint": config.target.endpoint,
         "model": config.target.model,
@@ -112,21 +115,23 @@ async def _send_all(config: ServeConfig, bodies: list[dict]) -> tuple[list[Reque
             return list(results), time.perf_counter() - started
 
 
-def ttft_comparison(server: Histogram | None, done: list[RequestResult]) -> dict | None:
+def ttft_comparison(server: Histogram | None, done: list[RequestResult]) -> ServerTtft | None:
     """The server's TTFT histogram beside the client's TTFTs put in the same buckets."""
     if server is None or server.count == 0:
         return None
     # Bucket i holds values <= bounds[i] and above bounds[i - 1], as Prometheus' `le` does.
     slots = np.searchsorted(server.bounds, [r.ttft for r in done], side="left")
     client_counts = np.bincount(slots, minlength=len(server.bounds))
-    summary = {"count": server.count, "mean_ms": 1000 * server.total / server.count}
+    quantiles = {}
     for q in QUANTILES:
         value = server.quantile(q / 100)
-        summary[f"p{q}_ms"] = None if value is None else 1000 * value
-    summary["buckets"] = [
-        {"le_s": str(bound), "server": int(count), "client": int(client)}
+        quantiles[f"p{q}_ms"] = None if value is None else 1000 * value
+    buckets = [
+        TtftBucket(le_s=str(bound), server=int(count), client=int(client))
         for bound, count, client in zip(
             server.bounds, server.bucket_counts(), client_counts, strict=True
         )
     ]
-    return summary
+    return ServerTtft(
+        count=server.count, mean_ms=1000 * server.total / server.count, buckets=buckets, **quantiles
+    )

@@ -5,41 +5,17 @@ arrive (with and without chunked prefill)."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from torch.profiler import ProfilerActivity, profile
 
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.bench.metrics import RequestResult, summarize
 from pagedserve.bench.offline import greedy_params, warm_up, with_fresh_llm
+from pagedserve.bench.records import STEP_PHASES, Agreement, LongPromptRun, StepProfile
 from pagedserve.bench.sweep import fixed_requests
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.llm import LLM
-
-STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")
-
-
-@dataclass
-class StepProfile:
-    """One decode step at a batch size: wall time, the engine's own phase timers, and the
-    operators that took the most time in a profiled repeat of the same steps."""
-
-    batch: int
-    context_len: int  # tokens per sequence at the first profiled step
-    step_ms: float
-    phase_ms: dict[str, float]  # per step, from engine.phase_timer
-    top_ops_ms: list[tuple[str, float]]  # per step, from torch.profiler (self time)
-    profiled_step_ms: float  # per step under the profiler, which adds its own overhead
-    fewest_running: int  # sequences in the emptiest timed step: batch, unless one finished early
-
-    @property
-    def overhead_share(self) -> float:
-        """The part of a step spent outside the model forward."""
-        total = sum(self.phase_ms.values())
-        return (total - self.phase_ms["forward"]) / total
-
-    def as_dict(self) -> dict:
-        return asdict(self) | {"overhead_share": self.overhead_share}
 
 
 def profile_decode_steps(
@@ -68,13 +44,13 @@ def profile_decode_steps(
     while engine.has_unfinished_requests():
         engine.step()
     return StepProfile(
-        batch,
-        prompt_len + 1,
-        step_ms,
-        phase_ms,
-        _top_ops(profiler, engine, steps, top),
-        profiled_step_ms,
-        min(fewest_timed, fewest_profiled),
+        batch=batch,
+        context_len=prompt_len + 1,
+        step_ms=step_ms,
+        phase_ms=phase_ms,
+        top_ops_ms=_top_ops(profiler, engine, steps, top),
+        profiled_step_ms=profiled_step_ms,
+        fewest_running=min(fewest_timed, fewest_profiled),
     )
 
 
@@ -130,10 +106,9 @@ class LongPromptLoad:
     long_arrivals_s: tuple[float, ...] = (2.0, 7.0, 12.0)
 
 
-def run_long_prompt_load(llm: LLM, load: LongPromptLoad) -> dict:
+def run_long_prompt_load(llm: LLM, load: LongPromptLoad) -> LongPromptRun:
     """Drives the engine as the server's engine thread does (arrivals are added before each
-    step) and times every token as the step that produced it returns. Returns the summaries
-    (see metrics.summarize) of the streams and of the long prompts."""
+    step) and times every token as the step that produced it returns."""
     warm_up(llm)
     engine = llm.engine
     streams = fixed_requests(load.streams, load.stream_prompt_len, load.stream_output_len)
@@ -167,12 +142,12 @@ def run_long_prompt_load(llm: LLM, load: LongPromptLoad) -> dict:
                 result.end = done_at
                 result.output_tokens = len(output.final.outputs[0].token_ids)
     duration = time.perf_counter() - started
-    return {
-        "streams": summarize([results[i] for i in stream_ids], duration),
-        "long_prompts": summarize([results[i] for i in long_ids], duration),
-        "chunked_prefill": engine.config.enable_chunked_prefill,
-        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-    }
+    return LongPromptRun(
+        streams=summarize([results[i] for i in stream_ids], duration),
+        long_prompts=summarize([results[i] for i in long_ids], duration),
+        chunked_prefill=engine.config.enable_chunked_prefill,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens,
+    )
 
 
 def _submit_timed(
@@ -186,8 +161,8 @@ def _submit_timed(
 
 
 def greedy_agreement(
-    engine_args: dict, requests: list[BenchRequest], variants: list[dict]
-) -> list[dict]:
+    engine_args: dict, requests: list[BenchRequest], variants: list[dict[str, str]]
+) -> list[Agreement]:
     """Greedy outputs of the engine as configured, then with each variant's settings, compared
     request by request: how many are identical, and the mean share of an output that comes
     before its first differing token. One result per variant."""
@@ -202,13 +177,13 @@ def greedy_agreement(
         pairs = list(zip(reference, with_fresh_llm(engine_args, outputs, **variant), strict=True))
         shares = [_common_prefix_len(ours, theirs) / len(ours) for ours, theirs in pairs]
         results.append(
-            {
-                "variant": variant,
-                "requests": len(requests),
-                "output_tokens": sum(len(tokens) for tokens in reference),
-                "identical": sum(ours == theirs for ours, theirs in pairs),
-                "mean_share_before_divergence": sum(shares) / len(shares),
-            }
+            Agreement(
+                variant=variant,
+                requests=len(requests),
+                output_tokens=sum(len(tokens) for tokens in reference),
+                identical=sum(ours == theirs for ours, theirs in pairs),
+                mean_share_before_divergence=sum(shares) / len(shares),
+            )
         )
     return results
 

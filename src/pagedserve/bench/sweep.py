@@ -16,6 +16,7 @@ import numpy as np
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.bench.metrics import Slo
 from pagedserve.bench.offline import run_engine, with_fresh_llm
+from pagedserve.bench.records import Run
 from pagedserve.llm import LLM
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -33,8 +34,8 @@ def run_sweep(
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
     prompt_len: int = 16,
     output_len: int = 16,
-) -> list[dict]:
-    """One summary (see OfflineRun.summary) per batch size."""
+) -> list[Run]:
+    """One run per batch size."""
     work = partial(
         _run_points, batch_sizes=batch_sizes, prompt_len=prompt_len, output_len=output_len
     )
@@ -43,19 +44,19 @@ def run_sweep(
 
 def _run_points(
     llm: LLM, batch_sizes: tuple[int, ...], prompt_len: int, output_len: int
-) -> list[dict]:
+) -> list[Run]:
     return [
         run_engine(llm, fixed_requests(b, prompt_len, output_len), batch_size=b).summary()
         for b in batch_sizes
     ]
 
 
-def largest_meeting(points: list[dict], slo: Slo) -> dict | None:
+def largest_meeting(points: list[Run], slo: Slo) -> Run | None:
     """The point with the largest batch whose p99 TTFT and TPOT meet slo (its e2e is ignored)."""
     meeting = [
         p
         for p in points
-        if (slo.ttft is None or p["ttft_ms"]["p99"] <= slo.ttft)
-        and (slo.tpot is None or p["tpot_ms"]["p99"] <= slo.tpot)
+        if (slo.ttft is None or (p.ttft_ms is not None and p.ttft_ms.p99 <= slo.ttft))
+        and (slo.tpot is None or (p.tpot_ms is not None and p.tpot_ms.p99 <= slo.tpot))
     ]
-    return max(meeting, key=lambda p: p["batch_size"], default=None)
+    return max(meeting, key=lambda p: p.batch_size, default=None)

@@ -10,6 +10,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from pagedserve.bench.records import KvLayout, StepCounts
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import StepOutput
 from pagedserve.timing import synchronize
@@ -29,26 +30,14 @@ class StepRecord:
     reserved_tokens: int
 
 
-@dataclass
-class KvLayout:
-    bytes_per_token: int
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.bytes_per_token
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> KvLayout:
-        runner = engine.runner
-        return cls(
-            bytes_per_token=runner.model.kv_cache_bytes_per_token(runner.kv_cache_dtype),
-            block_size=engine.block_manager.block_size,
-            num_blocks=engine.block_manager.num_blocks,
-            max_model_len=engine.max_model_len,
-        )
+def kv_layout(engine: LLMEngine) -> KvLayout:
+    runner = engine.runner
+    return KvLayout(
+        bytes_per_token=runner.model.kv_cache_bytes_per_token(runner.kv_cache_dtype),
+        block_size=engine.block_manager.block_size,
+        num_blocks=engine.block_manager.num_blocks,
+        max_model_len=engine.max_model_len,
+    )
 
 
 @dataclass
@@ -104,18 +93,18 @@ def release_steps(records: list[StepRecord]) -> list[int]:
     return [count for count, r in enumerate(records, start=1) for _ in r.released]
 
 
-def step_summary(records: list[StepRecord]) -> dict:
+def step_summary(records: list[StepRecord]) -> StepCounts:
     """How many steps ran, when the median request was handed back (counted in steps), and what
     a step cost with and without a prefill ending in it."""
     prefill = [r.seconds for r in records if r.first_tokens > 0]
     decode = [r.seconds for r in records if r.first_tokens == 0 and r.produced]
     released = release_steps(records)
-    return {
-        "steps": len(records),
-        "release_step_p50": statistics.median(released) if released else None,
-        "prefill_steps": len(prefill),
-        "prefill_step_mean_s": sum(prefill) / len(prefill) if prefill else None,
-        "decode_steps": len(decode),
-        "decode_step_mean_s": sum(decode) / len(decode) if decode else None,
-        "seconds_in_prefill_steps": sum(prefill),
-    }
+    return StepCounts(
+        steps=len(records),
+        release_step_p50=statistics.median(released) if released else None,
+        prefill_steps=len(prefill),
+        prefill_step_mean_s=sum(prefill) / len(prefill) if prefill else None,
+        decode_steps=len(decode),
+        decode_step_mean_s=sum(decode) / len(decode) if decode else None,
+        seconds_in_prefill_steps=sum(prefill),
+    )

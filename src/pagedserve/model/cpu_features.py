@@ -4,6 +4,7 @@ kernels and the dtype choice care about, read from /proc/cpuinfo (empty elsewher
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,17 @@ class CpuFeatures:
     def native_bfloat16(self) -> bool:
         """Multiplies bfloat16 in hardware (AVX-512 BF16 or AMX) rather than emulating it."""
         return bool({"AVX-512 BF16", "AMX"} & set(self.instruction_sets))
+
+    @property
+    def kind(self) -> str:
+        """A name for CPUs of this model with these instruction sets, e.g.
+        "amd-epyc-avx512-vnni-bf16": the benchmarks keep one set of results per kind."""
+        name = "-".join(re.findall(r"[a-z0-9]+", self.model_name.lower())) or "cpu"
+        sets = self.instruction_sets
+        if "AVX-512" not in sets:
+            return f"{name}-{'avx2' if 'AVX2' in sets else 'generic'}"
+        extras = {"AVX-512 VNNI": "vnni", "AVX-512 BF16": "bf16", "AMX": "amx"}
+        return "-".join([name, "avx512", *(extras[s] for s in sets if s in extras)])
 
     def describe(self) -> str:
         """E.g. "AMD EPYC (family 25, model 17; AVX2, AVX-512, AVX-512 VNNI, AVX-512 BF16)"."""
