@@ -12,6 +12,7 @@ from conftest import _TINY_SHAPE, _TOKENIZER_FILES, reference_greedy
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.engine.sampling_state import SamplingState
 
 VOCAB = 256
 PROMPT_LENGTHS = (3, 17, 40)
@@ -207,10 +208,48 @@ def test_logprobs_off_and_streamed(llm):
 def test_plain_batches_build_no_penalty_or_logprob_tensors(llm):
     engine = llm.engine
     seqs = [engine.make_sequence({"prompt_token_ids": p}, _greedy()) for p in _prompts()]
-    batch = engine.runner._sampling_batch(seqs)
-    assert batch.penalties is None and batch.logprobs is None
+    batch = engine.runner.sampling.batch(seqs)
+    assert batch.penalties is None and batch.logprobs is None and batch.random is None
     seqs[1] = engine.make_sequence({"prompt_token_ids": [5, 6]}, _greedy(frequency_penalty=1))
-    assert engine.runner._sampling_batch(seqs).penalties is not None
+    assert engine.runner.sampling.batch(seqs).penalties is not None
+
+
+def test_a_kept_batch_steps_to_what_a_fresh_upload_gives(llm):
+    """While the same rows sample, a step only adds each row's drawn token and output index;
+    after every step the kept tensors equal those built from scratch for the same rows."""
+    engine = llm.engine
+    settings = [
+        _greedy(repetition_penalty=1.3, min_tokens=3, logprobs=2),
+        SamplingParams(temperature=0.8, top_k=5, seed=3, frequency_penalty=0.5, max_tokens=8),
+        _greedy(presence_penalty=0.7, stop_token_ids=[7], min_tokens=5),
+        _greedy(),
+    ]
+    seqs = [
+        engine.make_sequence({"prompt_token_ids": prompt}, params)
+        for prompt, params in zip([*_prompts(), [4, 5, 6]], settings, strict=True)
+    ]
+    for seq in seqs:
+        seq.token_ids += [9, 9]  # outputs already drawn: they count in the penalties
+    kept = engine.runner.sampling
+    for step in range(6):
+        batch = kept.batch(seqs)
+        fresh = SamplingState(engine.runner.device, engine.vocab_size, engine.eos_token_ids)
+        expected = fresh.batch(seqs)
+        for name in ("seen", "counts", "presence", "frequency", "repetition"):
+            assert torch.equal(getattr(batch.penalties, name), getattr(expected.penalties, name))
+        assert torch.equal(batch.random.output_index, expected.random.output_index)
+        assert torch.equal(batch.random.seeds, expected.random.seeds)
+        assert torch.equal(batch.logprobs.rows, expected.logprobs.rows)
+        if expected.banned is None:
+            assert batch.banned is None, step
+        else:
+            assert all(map(torch.equal, batch.banned, expected.banned)), step
+        drawn = torch.tensor([11 + step, 12, 13 + step % 2, 14])
+        kept.drawn(drawn)
+        for seq, token in zip(seqs, drawn.tolist(), strict=True):
+            seq.token_ids.append(token)
+    assert expected.banned is None  # every row is past its min_tokens by now
+    assert kept.batch(seqs[:3]) is not batch  # other rows: built again
 
 
 @pytest.mark.parametrize(

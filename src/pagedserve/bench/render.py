@@ -1,7 +1,8 @@
 """BENCHMARKS.md and each host kind's REPORT.md, rendered from results records.
 
-The prose lives in the templates (bench/templates); this module computes what they show: derived
-figures (ratios, bounds, the targets) and the tables.
+The prose and the tables live in the templates (bench/templates); this module computes the
+figures they cannot read off a record (the targets, the headline, step-count bounds) and gives
+the templates their number formats.
 """
 
 from __future__ import annotations

@@ -139,6 +139,7 @@ def write_report(config: ReportConfig, output: Path) -> Path:
     """Runs every benchmark on this host; writes its results, plots and REPORT.md under
     config.plots_dir/<kind>/, then BENCHMARKS.md from every kind's results there."""
     started, load_before = time.monotonic(), os.getloadavg()[0]
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     machine = this_machine()

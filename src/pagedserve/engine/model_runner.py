@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.sampling_state import SamplingState
 from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
@@ -18,16 +19,7 @@ from pagedserve.model.cpu_features import CpuFeatures
 from pagedserve.model.kernels import cpu_kernels_available
 from pagedserve.model.layers import can_use_cpu_kernels
 from pagedserve.model.quantization import logits_weight_dtype
-from pagedserve.model.sampler import (
-    LogprobsRequest,
-    LogprobsTensors,
-    PenaltyBatch,
-    RandomSampling,
-    RowArgmax,
-    SamplingBatch,
-    sample,
-    torch_row_argmax,
-)
+from pagedserve.model.sampler import LogprobsTensors, RowArgmax, sample, torch_row_argmax
 from pagedserve.model.source import gguf_tensor_types
 from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.timing import PhaseTimer
@@ -145,6 +137,7 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         self.model.attach_kv_cache(self.num_blocks, config.block_size, self.kv_cache_dtype)
         self.eos_token_ids = eos_token_ids
+        self.sampling = SamplingState(self.device, self.model_config.vocab_size, eos_token_ids)
         if self.device.type == "cpu":
             path = "C++ kernels" if self.packed_weight_dtypes is not None else "torch operators"
             logger.info(
@@ -216,8 +209,9 @@ class ModelRunner:
         return sampled
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
-        batch = self._sampling_batch(seqs)
+        batch = self.sampling.batch(seqs)
         result = sample(logits, batch, self.row_argmax)
+        self.sampling.drawn(result.tokens)
         tokens = result.tokens.tolist()
         logprobs: list[SampleLogprobs | None] = [None] * len(seqs)
         if result.logprobs is not None:
@@ -227,82 +221,6 @@ class ModelRunner:
             for row, entry in zip(rows, entries, strict=True):
                 logprobs[row] = entry
         return [Sampled(*item) for item in zip(seqs, tokens, logprobs, strict=True)]
-
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch(
-            banned=self._banned_tokens(seqs),
-            random=self._random_sampling(seqs),
-            penalties=self._penalty_batch(seqs),
-            logprobs=self._logprobs_request(seqs),
-        )
-
-    def _banned_tokens(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, token ids) of the stop tokens each sequence short of its min_tokens may not
-        draw; None when no row has any."""
-        banned_rows: list[int] = []
-        banned_tokens: list[int] = []
-        for row, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens:
-                stops = (*self.eos_token_ids, *seq.params.stop_token_ids)
-                banned_rows.extend([row] * len(stops))
-                banned_tokens.extend(stops)
-        if not banned_rows:
-            return None
-        return (
-            torch.tensor(banned_rows, device=self.device),
-            torch.tensor(banned_tokens, device=self.device),
-        )
-
-    def _random_sampling(self, seqs: list[Sequence]) -> RandomSampling | None:
-        """None when every row is greedy: argmax needs none of these settings."""
-        params = [seq.params for seq in seqs]
-        if all(p.greedy for p in params):
-            return None
-        device = self.device
-        return RandomSampling(
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            min_p=torch.tensor([p.min_p for p in params], device=device),
-            seeds=torch.tensor([seq.seed for seq in seqs], device=device),
-            output_index=torch.tensor([seq.num_output_tokens for seq in seqs], device=device),
-            needs_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-            needs_min_p=any(p.min_p > 0.0 for p in params),
-        )
-
-    def _penalty_batch(self, seqs: list[Sequence]) -> PenaltyBatch | None:
-        """None unless some row uses a penalty, so greedy-only batches pay nothing for them."""
-        if not any(seq.params.uses_penalties for seq in seqs):
-            return None
-        histories: list[list[int]] = []
-        output_start: list[int] = []
-        params = [seq.params for seq in seqs]
-        for seq, p in zip(seqs, params, strict=True):
-            if p.repetition_penalty != 1.0:
-                histories.append(seq.token_ids)
-                output_start.append(seq.num_prompt_tokens)
-            else:
-                # Presence and frequency never look at the prompt, so it is not uploaded.
-                histories.append(seq.output_token_ids if p.uses_penalties else [])
-                output_start.append(0)
-        pad = self.model_config.vocab_size
-        width = max(len(history) for history in histories)
-        padded = [history + [pad] * (width - len(history)) for history in histories]
-        device = self.device
-        return PenaltyBatch(
-            presence=torch.tensor([p.presence_penalty for p in params], device=device),
-            frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
-            repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
-            token_ids=torch.tensor(padded, dtype=torch.long, device=device),
-            output_start=torch.tensor(output_start, device=device),
-        )
-
-    def _logprobs_request(self, seqs: list[Sequence]) -> LogprobsRequest | None:
-        rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        if not rows:
-            return None
-        num_top = max(seqs[row].params.logprobs for row in rows)
-        return LogprobsRequest(torch.tensor(rows, device=self.device), num_top)
 
 
 def _logprob_dicts(

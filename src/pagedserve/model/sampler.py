@@ -23,16 +23,16 @@ _GOLDEN32 = 0x9E3779B9
 
 @dataclass
 class PenaltyBatch:
-    """Penalty settings and token history of every row; only built when some row uses one."""
+    """Penalty settings and token counts of every row; only built when some row uses one."""
 
     presence: torch.Tensor  # [rows] float; 0 means off
     frequency: torch.Tensor  # [rows] float; 0 means off
     repetition: torch.Tensor  # [rows] float; 1 means off
-    # [rows, length] long: each row's history padded with the vocabulary size (a dropped column).
-    token_ids: torch.Tensor
-    # [rows] long: where the outputs start in token_ids; earlier tokens are prompt tokens, which
-    # count for the repetition penalty but not for presence or frequency.
-    output_start: torch.Tensor
+    # [rows, vocab] bool: tokens the repetition penalty applies to (prompt and output tokens).
+    seen: torch.Tensor
+    # [rows, vocab] float: how often each token is in the row's output, for presence and
+    # frequency (prompt tokens count for neither).
+    counts: torch.Tensor
 
 
 @dataclass
@@ -112,15 +112,7 @@ def sample(
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
     """vLLM's order: the repetition penalty (HF semantics, prompt and output tokens) first, then
     OpenAI's frequency and presence penalties on output tokens only."""
-    rows, vocab = logits.shape
-    ids = penalties.token_ids
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    is_output = positions[None, :] >= penalties.output_start[:, None]
-    # One spare column absorbs the padding id, so padded slots count nowhere.
-    seen = torch.zeros(rows, vocab + 1, device=logits.device)
-    seen.scatter_add_(1, ids, torch.ones_like(ids, dtype=seen.dtype))
-    counts = torch.zeros_like(seen).scatter_add_(1, ids, is_output.to(seen.dtype))
-    seen, counts = seen[:, :vocab] > 0, counts[:, :vocab]
+    seen, counts = penalties.seen, penalties.counts
     repetition = penalties.repetition[:, None]
     penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalised, logits)
