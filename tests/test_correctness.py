@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.attention import AttentionBatch
-from pagedserve.model.layers import can_use_cpu_kernels
+from pagedserve.model.kernels import can_use_cpu_kernels
 
 PROMPT_LENGTHS = (1, 5, 16, 17, 33, 48, 70, 130)
 NEW_TOKENS = 40
@@ -92,10 +92,10 @@ def test_cpu_kernels_and_torch_operators_match_transformers(
     assert can_use_cpu_kernels(runner.device, runner.dtype)
     for model, on in ((runner.model, True), (plain.engine.runner.model, False)):
         layer = model.layers[0]
-        assert (layer.self_attn.qkv_proj.packed_weight is not None) == on
-        assert layer.input_layernorm.fused == layer.mlp.fused == on
+        assert (layer.self_attn.qkv_proj.weight is None) == on  # packed
+        assert layer.input_layernorm.uses_cpu_kernel == layer.mlp.act.uses_cpu_kernel == on
         # Qwen3 normalises query and key heads before the rotation: that stays in torch.
-        assert layer.self_attn.fused == (on and architecture != "qwen3")
+        assert layer.self_attn.uses_cpu_kernel == (on and architecture != "qwen3")
         assert (model.decode_weights is not None) == (on and architecture != "qwen3")
     assert _generate(with_kernels) == references(architecture)
     assert _generate(plain) == references(architecture)
@@ -206,7 +206,7 @@ def test_narrow_packed_weights_match_transformers_on_the_weights_they_hold(
     linear weights (tied logits included, not the embedding lookup) replaced by those is the
     reference."""
     llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32", packed_weight_dtype=packed_dtype)
-    panels = llm.engine.runner.model.layers[0].mlp.down_proj.packed_weight.panels
+    panels = llm.engine.runner.model.layers[0].mlp.down_proj.panels
     assert panels.dtype == _PANEL_DTYPES[packed_dtype]
     model = _with_weights_held(tiny_checkpoint(architecture), stand_in, logits_stand_in)
     expected = [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
@@ -256,7 +256,7 @@ def test_q4_1_q8_matches_transformers_on_inputs_rounded_as_it_rounds_them(
     _NEAR_TIE, and at least three quarters of all tokens must match."""
     checkpoint = tiny_checkpoint(architecture)
     llm = LLM(str(checkpoint), dtype="float32", packed_weight_dtype="q4_1_q8")
-    panels = llm.engine.runner.model.layers[0].mlp.down_proj.packed_weight.panels
+    panels = llm.engine.runner.model.layers[0].mlp.down_proj.panels
     # pack_q4_1_q8's blocks: 8 features' float16 scales and minima, then their 32 4-bit values
     assert panels.dtype == torch.uint8 and panels.shape[-1] == 2 * 8 * 2 + 8 * 32 // 2
     model = _with_weights_held(checkpoint, _quantized_to_q4_1, _quantized_to_q8_0)

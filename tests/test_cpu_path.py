@@ -4,14 +4,19 @@ features given, and the path actually taken on this host."""
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
+import pagedserve.model.kernels
 from pagedserve import LLM
+from pagedserve.config import PACKED_WEIGHT_DTYPES
 from pagedserve.engine.model_runner import resolve_dtype
 from pagedserve.model.cpu_features import CpuFeatures
-from pagedserve.model.kernels import build_directory_of, build_key
+from pagedserve.model.kernels import build_directory_of, build_key, cpu_kernels_available
+from pagedserve.model.linear_method import PACKED_FORMATS, choose_formats
 
 ZEN3_CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -94,3 +99,36 @@ def test_kernel_builds_are_kept_apart_by_the_cpu_they_were_built_for():
     assert build_key(ZEN4) == build_key(ZEN4)
     directory = build_directory_of(cpp_extension)
     assert directory.name == f"pagedserve_kernels-{build_key(CpuFeatures.host())}"
+
+
+@pytest.mark.parametrize(
+    ("name", "linear_map_types", "logits_types", "expected"),
+    [
+        ("auto", {"Q4_1"}, {"Q8_0"}, ("q4_1", "q8_0")),  # the default model's GGUF file
+        ("auto", {"Q8_0"}, {"Q8_0"}, ("q8_0", "q8_0")),
+        ("auto", {"BF16"}, {"BF16"}, ("bfloat16", "bfloat16")),
+        ("auto", {"Q4_1", "Q8_0"}, {"Q8_0"}, ("float32", "q8_0")),  # mixed: float32 holds any
+        ("auto", {"F16"}, {"F32"}, ("float32", "float32")),
+        ("q4_1_q8", {"BF16"}, {"BF16"}, ("q4_1_q8", "q8_0")),  # Q4_1 formats keep q8_0 logits
+        ("int8", {"Q4_1"}, {"Q8_0"}, ("int8", "int8")),
+    ],
+)
+def test_auto_packs_each_weight_in_the_format_that_stores_its_type(
+    name, linear_map_types, logits_types, expected
+):
+    assert choose_formats(name, linear_map_types, logits_types) == expected
+
+
+def test_every_packed_format_is_a_flag_choice_and_every_op_is_registered_in_one_file():
+    assert ("auto", *PACKED_FORMATS) == PACKED_WEIGHT_DTYPES
+    assert cpu_kernels_available()
+    csrc = Path(pagedserve.model.kernels.__file__).parent / "csrc"
+    registrations = {
+        path.name: path.read_text().count("TORCH_LIBRARY") for path in csrc.glob("*.cpp")
+    }
+    assert {name: count for name, count in registrations.items() if count} == {"ops.cpp": 2}
+    declared = set(re.findall(r'm\.def\(\s*"(\w+)\(', (csrc / "ops.cpp").read_text()))
+    implemented = set(re.findall(r'm\.impl\("(\w+)"', (csrc / "ops.cpp").read_text()))
+    assert declared == implemented
+    for op in declared:
+        assert hasattr(torch.ops.pagedserve, op)

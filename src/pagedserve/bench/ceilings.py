@@ -16,8 +16,9 @@ import torch
 from pagedserve.bench.records import Ceilings, Machine, ModelCost
 from pagedserve.model.cpu_features import CpuFeatures
 from pagedserve.model.decoder import DecoderModel
-from pagedserve.model.layers import Linear, PackedWeight, can_use_cpu_kernels
-from pagedserve.model.quantization import BYTES_PER_WEIGHT, logits_weight_dtype
+from pagedserve.model.kernels import can_use_cpu_kernels
+from pagedserve.model.layers import Linear
+from pagedserve.model.linear_method import PACKED_FORMATS
 from pagedserve.timing import Stopwatch
 
 
@@ -43,8 +44,7 @@ def matmul_gflops(dtype: torch.dtype, device: torch.device, size: int = 1024) ->
     b = torch.randn(size, size, device=device).to(dtype)
     seconds = _best_seconds(lambda: torch.mm(a, b), device)
     if can_use_cpu_kernels(device, dtype):
-        # a linear map multiplies by its transpose
-        packed = PackedWeight.pack(b.T, str(dtype).removeprefix("torch."))
+        packed = _packed_linear(b.T, str(dtype).removeprefix("torch."))  # a linear map's x @ W.T
         seconds = min(seconds, _best_seconds(lambda: packed(a), device))
     return 2 * size**3 / seconds / 1e9
 
@@ -56,10 +56,18 @@ def bandwidth_gbs(device: torch.device, num_bytes: int = 256 * 2**20) -> float:
     buffer = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     seconds = _best_seconds(lambda: buffer.sum(), device)
     if can_use_cpu_kernels(device, torch.float32):
-        packed = PackedWeight.pack(buffer.view(-1, 2048), "float32")
+        packed = _packed_linear(buffer.view(-1, 2048), "float32")
         row = torch.ones(1, 2048)
         seconds = min(seconds, _best_seconds(lambda: packed(row), device))
     return num_bytes / seconds / 1e9
+
+
+def _packed_linear(weight: torch.Tensor, packed_format: str) -> Linear:
+    """A Linear holding weight ([out, in]) in one of the packed formats."""
+    linear = Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.float32)
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    linear.use_method(PACKED_FORMATS[packed_format])
+    return linear
 
 
 def small_product_us(threads: int, repeats: int = 300) -> float:
@@ -97,11 +105,11 @@ def step_bytes(cost: ModelCost, packed_weight_dtype: str | None = None) -> float
     packed_weight_dtype when given (--packed-weight-dtype)."""
     if packed_weight_dtype is None:
         return cost.weight_bytes
-    logits_size = BYTES_PER_WEIGHT[logits_weight_dtype(packed_weight_dtype)]
+    packed = PACKED_FORMATS[packed_weight_dtype]
     return (
         (cost.weight_elements - cost.packed_elements) * cost.element_size
-        + (cost.packed_elements - cost.logits_elements) * BYTES_PER_WEIGHT[packed_weight_dtype]
-        + cost.logits_elements * logits_size
+        + (cost.packed_elements - cost.logits_elements) * packed.bytes_per_weight
+        + cost.logits_elements * PACKED_FORMATS[packed.logits].bytes_per_weight
     )
 
 
@@ -109,21 +117,17 @@ def model_cost(model: DecoderModel) -> ModelCost:
     """From a loaded decoder: its weight bytes in checkpoint layout (whether or not the linear
     weights were packed since), and 2 FLOPs per weight that multiplies."""
     linears = [module for module in model.modules() if isinstance(module, Linear)]
-    linear_elements = sum(linear.in_features * linear.out_features for linear in linears)
-    plain_linear_weights = {id(linear.weight) for linear in linears if linear.weight is not None}
-    other_elements = sum(p.numel() for p in model.parameters() if id(p) not in plain_linear_weights)
-    multiplied = linear_elements
-    # Tied embeddings are also the output projection; untied ones are only looked up.
-    if model.lm_head is None:
-        multiplied += model.embed_tokens.numel()
-        logits_elements = model.embed_tokens.numel()
-    else:
-        logits_elements = model.lm_head.in_features * model.lm_head.out_features
+    multiplied = sum(linear.in_features * linear.out_features for linear in linears)
+    counted = {id(linear.weight) for linear in linears if linear.weight is not None}
+    # Tied embeddings are the output projection's weight as well: counted once, as multiplied.
+    if model.config.tie_word_embeddings:
+        counted.add(id(model.embed_tokens))
+    other_elements = sum(p.numel() for p in model.parameters() if id(p) not in counted)
     return ModelCost(
-        weight_elements=linear_elements + other_elements,
+        weight_elements=multiplied + other_elements,
         element_size=model.embed_tokens.element_size(),
         packed_elements=multiplied,
-        logits_elements=logits_elements,
+        logits_elements=model.lm_head.in_features * model.lm_head.out_features,
         flops_per_token=2.0 * multiplied,
     )
 

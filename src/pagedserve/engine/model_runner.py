@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Set
 from pathlib import Path
 from typing import NamedTuple
 
@@ -14,13 +13,11 @@ from pagedserve.engine.sampling_state import SamplingState
 from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
-from pagedserve.model.checkpoint import load_model, stored_matrix_dtypes
+from pagedserve.model.checkpoint import load_model, stored_weight_types
 from pagedserve.model.cpu_features import CpuFeatures
-from pagedserve.model.kernels import cpu_kernels_available
-from pagedserve.model.layers import can_use_cpu_kernels
-from pagedserve.model.quantization import logits_weight_dtype
+from pagedserve.model.kernels import can_use_cpu_kernels, cpu_kernels_available
+from pagedserve.model.linear_method import PackedFormats, choose_formats
 from pagedserve.model.sampler import LogprobsTensors, RowArgmax, sample, torch_row_argmax
-from pagedserve.model.source import gguf_tensor_types
 from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.timing import PhaseTimer
 
@@ -57,39 +54,6 @@ def resolve_dtype(
     return torch.bfloat16 if cpu.native_bfloat16 else torch.float32
 
 
-# The packed dtype that holds a GGUF tensor of one quantization type exactly, in a fraction of
-# float32's bytes (Q4_1: 5/32, Q8_0: 8.5/32, BF16: 1/2); float32 holds any type exactly.
-_PACKED_DTYPE_OF_GGUF_TYPE = {"Q4_1": "q4_1", "Q8_0": "q8_0", "BF16": "bfloat16"}
-
-
-class PackedWeightDtypes(NamedTuple):
-    linear_maps: str
-    logits: str  # the output projection's
-
-
-def resolve_packed_weight_dtypes(name: str, model_dir: Path) -> PackedWeightDtypes:
-    """What --packed-weight-dtype name packs the linear maps and the logits as. auto picks, for
-    each, a dtype that holds the checkpoint's weights exactly."""
-    if name != "auto":
-        return PackedWeightDtypes(name, logits_weight_dtype(name))
-    gguf_types = gguf_tensor_types(model_dir)
-    if gguf_types is not None:
-        return PackedWeightDtypes(
-            _exact_packed_dtype(gguf_types.linear_maps), _exact_packed_dtype({gguf_types.logits})
-        )
-    # A checkpoint stored in bfloat16, as most are published, is held exactly in half float32's
-    # bytes.
-    dtype = "bfloat16" if stored_matrix_dtypes(model_dir) == {"BF16"} else "float32"
-    return PackedWeightDtypes(dtype, dtype)
-
-
-def _exact_packed_dtype(gguf_types: Set[str]) -> str:
-    if len(gguf_types) != 1:
-        return "float32"
-    (gguf_type,) = gguf_types
-    return _PACKED_DTYPE_OF_GGUF_TYPE.get(gguf_type, "float32")
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -102,12 +66,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(model_dir, self.dtype, self.device)
         # None: the linear weights are used as loaded, by F.linear.
-        self.packed_weight_dtypes: PackedWeightDtypes | None = None
+        self.packed_weight_dtypes: PackedFormats | None = None
         if config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype):
-            self.packed_weight_dtypes = resolve_packed_weight_dtypes(
-                config.packed_weight_dtype, model_dir
+            self.packed_weight_dtypes = choose_formats(
+                config.packed_weight_dtype, *stored_weight_types(model_dir)
             )
-            self.model.use_cpu_kernels(*self.packed_weight_dtypes)
+            self.model.use_cpu_kernels(self.packed_weight_dtypes)
         elif config.packed_weight_dtype not in ("auto", "float32"):
             logger.warning(
                 "packed_weight_dtype %s ignored: weights are packed for float32 on CPU only, "

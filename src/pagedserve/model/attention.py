@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.custom_op import CustomOp
 from pagedserve.model.layers import Linear, RMSNorm, RotaryAngles
 
 # More than any table's length in blocks can need (2**64 blocks).
@@ -200,7 +200,12 @@ class AttentionBatch:
         return cls(positions, slot_mapping, [group])
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(CustomOp):
+    """The attention block: the QKV product, the rotation of query and key heads (after their
+    norms, where the model has them), the cache write, attention over the paged cache and the
+    output product. The C++ kernel (csrc/rotary_cache.cpp) rotates and writes the cache in one
+    call, for models without query and key norms."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.num_heads = config.num_heads
@@ -217,33 +222,33 @@ class PagedAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        # Rotation and cache write in one C++ call (csrc/rotary_cache.cpp): float32 on CPU, for
-        # models without query and key norms.
-        self.fused = False
         # Set once the KV cache is allocated: [blocks, block_size, kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(
+    def supports_cpu_kernel(self) -> bool:
+        return self.q_norm is None
+
+    def forward_native(
         self, hidden: torch.Tensor, angles: RotaryAngles, batch: AttentionBatch
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        if self.fused:
-            q = torch.ops.pagedserve.rotary_and_cache(
-                qkv,
-                angles.cos,
-                angles.sin,
-                self.k_cache,
-                self.v_cache,
-                batch.slot_mapping,
-                self.num_heads,
-                self.num_kv_heads,
-            )
-        else:
-            q = self._rotate_and_cache(qkv, angles, batch)
-        out = self._attend(q, batch)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        q = self._rotate_and_cache(self.qkv_proj(hidden), angles, batch)
+        return self.o_proj(self._attend(q, batch).reshape(hidden.shape[0], self.q_size))
+
+    def forward_cpu(
+        self, hidden: torch.Tensor, angles: RotaryAngles, batch: AttentionBatch
+    ) -> torch.Tensor:
+        q = torch.ops.pagedserve.rotary_and_cache(
+            self.qkv_proj(hidden),
+            angles.cos,
+            angles.sin,
+            self.k_cache,
+            self.v_cache,
+            batch.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+        )
+        return self.o_proj(self._attend(q, batch).reshape(hidden.shape[0], self.q_size))
 
     def _rotate_and_cache(
         self, qkv: torch.Tensor, angles: RotaryAngles, batch: AttentionBatch

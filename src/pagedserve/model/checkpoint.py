@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import DecoderModel
+from pagedserve.model.source import gguf_tensor_types
 
 # Checkpoint projections that DecoderModel keeps fused in one matrix, in concatenation order.
 _FUSED = {
@@ -34,9 +35,19 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Dec
     return model.eval()
 
 
-def stored_matrix_dtypes(model_dir: Path) -> set[str]:
-    """The safetensors dtypes (e.g. {"BF16"}) that the checkpoint stores its matrices in: its
-    linear maps and embeddings. Only the files' headers are read."""
+def stored_weight_types(model_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
+    """The types the checkpoint stores its linear maps' and its logits' weights in, e.g.
+    ({"Q4_1"}, {"Q8_0"}) for a model converted from such a GGUF file: what
+    linear_method.choose_formats keeps exactly. For safetensors, both are the dtypes of all its
+    matrices (e.g. {"BF16"}), read from the files' headers only."""
+    gguf_types = gguf_tensor_types(model_dir)
+    if gguf_types is not None:
+        return gguf_types.linear_maps, frozenset({gguf_types.logits})
+    matrices = frozenset(_stored_matrix_dtypes(model_dir))
+    return matrices, matrices
+
+
+def _stored_matrix_dtypes(model_dir: Path) -> set[str]:
     dtypes = set()
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
@@ -86,6 +97,8 @@ def _remap(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
         if set(parts) != set(order):
             raise ValueError(f"checkpoint has only {sorted(parts)} of the parts of {key}")
         state[key] = torch.cat([parts[part] for part in order], dim=0)
+    if config.tie_word_embeddings and "embed_tokens" in state:
+        state["lm_head.weight"] = state["embed_tokens"]  # the same parameter in DecoderModel
     return state
 
 

@@ -8,14 +8,9 @@ from torch import nn
 
 from pagedserve.model.attention import AttentionBatch, AttentionGroup, PagedAttention
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.layers import (
-    Linear,
-    PackedWeight,
-    RMSNorm,
-    RotaryAngles,
-    RotaryEmbedding,
-    SwiGLU,
-)
+from pagedserve.model.custom_op import CustomOp
+from pagedserve.model.layers import Linear, RMSNorm, RotaryAngles, RotaryEmbedding, SwiGLU
+from pagedserve.model.linear_method import PACKED_FORMATS, PackedFormats
 
 
 class DecoderLayer(nn.Module):
@@ -26,9 +21,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
 
-    def packed_decode_weights(self) -> list[torch.Tensor | None]:
+    def decode_weights(self) -> list[torch.Tensor | None]:
         """This layer's weights in the order csrc/decode_layers.cpp takes them: the two norms',
-        then each packed linear map's panels, bias and scale."""
+        then what each linear map's method hands over."""
         weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
         for linear in (
             self.self_attn.qkv_proj,
@@ -36,8 +31,7 @@ class DecoderLayer(nn.Module):
             self.mlp.gate_up_proj,
             self.mlp.down_proj,
         ):
-            packed = linear.packed_weight
-            weights += [packed.panels, linear.bias, packed.scale]
+            weights += linear.method.decode_weights(linear)
         return weights
 
     def forward(
@@ -53,9 +47,9 @@ class DecoderLayer(nn.Module):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, angles, batch)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
@@ -68,15 +62,14 @@ class DecoderModel(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = None
-        self.packed_embeddings: PackedWeight | None = None
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        if config.tie_word_embeddings:  # the logits' product reads the embeddings
+            self.lm_head.weight = self.embed_tokens
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position_embeddings, dtype
         )
-        # Set by use_cpu_kernels where every layer can take them: the weights of the C++ op that
-        # runs a decode-only step's layers in one call (csrc/decode_layers.cpp).
+        # Set by use_cpu_kernels where every layer runs its C++ kernels: the weights of the op
+        # that runs a decode-only step's layers in one call (csrc/decode_layers.cpp).
         self.decode_weights: list[torch.Tensor | None] | None = None
         self.k_caches: list[torch.Tensor] = []  # each layer's, once attached
         self.v_caches: list[torch.Tensor] = []
@@ -91,7 +84,7 @@ class DecoderModel(nn.Module):
         else:
             for layer in self.layers:
                 hidden, residual = layer(hidden, residual, angles, batch)
-        return self.norm.add_and_norm(hidden, residual)[0]
+        return self.norm(hidden, residual)[0]
 
     def _decode_in_one_call(
         self,
@@ -121,31 +114,23 @@ class DecoderModel(nn.Module):
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.packed_embeddings is not None:
-            return self.packed_embeddings(hidden)
-        return F.linear(hidden, self.embed_tokens).float()
+        return self.lm_head(hidden).float()
 
-    def use_cpu_kernels(self, weight_dtype: str, logits_dtype: str) -> None:
-        """Packs every linear map's weight, as weight_dtype (the output projection's as
-        logits_dtype), for the C++ product (see PackedWeight) and turns on the other C++ kernels:
-        RMSNorm, SwiGLU, and, where no query and key norms come first, the rotation with the
-        cache write and whole layers in one call for decode-only steps. Tied embeddings keep
-        their plain copy for the lookup and gain a packed one for the logits."""
+    def use_cpu_kernels(self, formats: PackedFormats) -> None:
+        """Packs every linear map's weight for the C++ product, in formats.linear_maps (the
+        output projection's in formats.logits), switches every CustomOp layer that can to its C++
+        kernel, and, where every attention layer did, runs decode-only steps' layers in one call.
+        Tied embeddings keep their plain copy for the lookup beside the packed one."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_weight(logits_dtype if module is self.lm_head else weight_dtype)
-            elif isinstance(module, RMSNorm | SwiGLU):
-                module.fused = True
-            elif isinstance(module, PagedAttention):
-                module.fused = module.q_norm is None
-        if all(layer.self_attn.fused for layer in self.layers):
+                packed = formats.logits if module is self.lm_head else formats.linear_maps
+                module.use_method(PACKED_FORMATS[packed])
+            elif isinstance(module, CustomOp):
+                module.use_cpu_kernel()
+        if all(layer.self_attn.uses_cpu_kernel for layer in self.layers):
             self.decode_weights = [
-                weight for layer in self.layers for weight in layer.packed_decode_weights()
+                weight for layer in self.layers for weight in layer.decode_weights()
             ]
-        if self.lm_head is None:
-            self.packed_embeddings = PackedWeight.pack(self.embed_tokens, logits_dtype)
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         config = self.config

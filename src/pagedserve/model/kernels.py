@@ -40,6 +40,7 @@ _SOURCES = [
         "rotary_cache.cpp",
         "decode_layers.cpp",
         "row_argmax.cpp",
+        "ops.cpp",
     )
 ]
 
@@ -54,11 +55,9 @@ _X86_FLAGS = ["-mfma", "-mf16c"]
 
 @functools.cache
 def cpu_kernels_available() -> bool:
-    """Registers torch.ops.pagedserve.paged_decode_attention, pack_linear_weight, pack_q4_1,
-    pack_q4_1_q8, pack_q8_0, packed_linear, rms_norm, add_rms_norm_, silu_and_mul,
-    rotary_and_cache, decode_layers and row_argmax, building them if needed. False (with a
-    warning) when they cannot be built here, in which case the model runs on torch's own
-    operators."""
+    """Registers the torch.ops.pagedserve operators (every one declared in csrc/ops.cpp),
+    building them if needed. False (with a warning) when they cannot be built here, in which case
+    the model runs on torch's own operators."""
     _put_ninja_on_path()
     logger.info("loading the C++ CPU kernels (the first start on a machine builds them)")
     try:
@@ -129,6 +128,12 @@ def _build_lock(build_directory: Path) -> Iterator[None]:
             logger.warning("removing %s, left by an interrupted build", leftover)
             leftover.unlink()
         yield
+
+
+def can_use_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """The packed products and the kernels that go with them are for float32 on CPU; elsewhere
+    torch's own operators are used."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
 
 
 def _put_ninja_on_path() -> None:

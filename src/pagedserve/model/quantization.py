@@ -1,28 +1,10 @@
-"""Weight-only quantization of linear maps for the packed CPU product (csrc/packed_linear.cpp)."""
+"""Weight-only quantization of linear maps for the packed CPU product (see linear_method.py)."""
 
 from __future__ import annotations
 
 import torch
 
 GROUP_SIZE = 32  # inputs per group of Q4_1 and Q8_0, as in llama.cpp and csrc/packed_linear.cpp
-# Stored bytes per weight of each packed dtype, Q4_1's and Q8_0's float16 scales (and minima)
-# included; int8's one scale per output feature is left aside.
-BYTES_PER_WEIGHT = {
-    "float32": 4,
-    "bfloat16": 2,
-    "int8": 1,
-    "q8_0": 34 / 32,
-    "q4_1": 20 / 32,
-    "q4_1_q8": 20 / 32,
-}
-
-
-def logits_weight_dtype(weight_dtype: str) -> str:
-    """What the output projection is packed as when the other linear maps are weight_dtype. For
-    q4_1 and q4_1_q8, q8_0, as Q4_1 GGUF checkpoints keep it: 4-bit logits lose the most, and int8
-    ones with a scale per output feature changed greedy outputs that q8_0 ones leave as float32
-    has them."""
-    return "q8_0" if weight_dtype in ("q4_1", "q4_1_q8") else weight_dtype
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,6 @@
 #include <ATen/core/List.h>
 #include <ATen/ops/zeros_like.h>
 #include <ATen/record_function.h>
-#include <torch/library.h>
 
 #include <utility>
 
@@ -87,6 +86,10 @@ at::Tensor decode_layer(at::Tensor& hidden, at::Tensor& residual, const WeightLi
   return down(profiled("pagedserve::silu_and_mul", silu_and_mul, gate_up), hidden_size);
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 // embeddings: [sequences, hidden size], each sequence's new token; overwritten, as on the module
 // path, where it becomes the residual stream. weights: each layer's two norm weights, then its
 // qkv_proj, o_proj, gate_up_proj and down_proj as (panels, bias, scale), layer after layer;
@@ -103,8 +106,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
               "decode_layers: ", num_layers, " layers need ", num_layers, " value caches and ",
               num_layers * kNumWeights, " weights, got ", v_caches.size(), " and ",
               weights.size());
-  pagedserve::check_float_rows(embeddings, "decode_layers", "embeddings");
-  pagedserve::check_float_rows(cos, "decode_layers", "cos");
+  check_float_rows(embeddings, "decode_layers", "embeddings");
+  check_float_rows(cos, "decode_layers", "cos");
   at::Tensor hidden = embeddings;
   at::Tensor residual = at::zeros_like(embeddings);  // 0 + hidden is hidden, bit for bit
   for (int64_t layer = 0; layer < num_layers; ++layer) {
@@ -116,16 +119,4 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   return {hidden, residual};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def(
-      "decode_layers(Tensor(a!) embeddings, Tensor?[] weights, Tensor(b!)[] k_caches, "
-      "Tensor(c!)[] v_caches, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
-      "int sliding_window) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("decode_layers", &decode_layers);
-}
+}  // namespace pagedserve

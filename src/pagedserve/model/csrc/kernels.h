@@ -1,13 +1,15 @@
-// The C++ CPU kernels' entry points, shared by the files that define them and by
-// decode_layers.cpp, which chains them without a dispatch per call. Each is also registered as a
-// torch.ops.pagedserve operator by the file that defines it.
+// The C++ CPU kernels' entry points, shared by the files that define them, by decode_layers.cpp,
+// which chains them without a dispatch per call, and by ops.cpp, which registers each as a
+// torch.ops.pagedserve operator.
 
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
+#include <tuple>
 
 namespace pagedserve {
 
@@ -53,6 +55,14 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 
 // row_argmax.cpp
 at::Tensor row_argmax(const at::Tensor& values);
+
+// decode_layers.cpp
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    at::Tensor& embeddings, const c10::List<std::optional<at::Tensor>>& weights,
+    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+    double scale, int64_t sliding_window);
 
 // The kernels read rows through raw pointers: each such input must be a dense float32 matrix.
 inline void check_float_rows(const at::Tensor& t, const char* op, const char* name) {

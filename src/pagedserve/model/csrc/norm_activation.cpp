@@ -12,7 +12,6 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -111,15 +110,3 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("rms_norm", &pagedserve::rms_norm);
-  m.impl("add_rms_norm_", &pagedserve::add_rms_norm_);
-  m.impl("silu_and_mul", &pagedserve::silu_and_mul);
-}

@@ -21,7 +21,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
@@ -632,19 +631,3 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("pack_q4_1(Tensor values, Tensor scales, Tensor minima) -> Tensor");
-  m.def("pack_q8_0(Tensor values, Tensor scales) -> Tensor");
-  m.def(
-      "packed_linear(Tensor input, Tensor packed_weight, int out_features, Tensor? bias, "
-      "Tensor? scale=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("pack_linear_weight", &pagedserve::pack_linear_weight);
-  m.impl("pack_q4_1", &pagedserve::pack_q4_1);
-  m.impl("pack_q8_0", &pagedserve::pack_q8_0);
-  m.impl("packed_linear", &pagedserve::packed_linear);
-}

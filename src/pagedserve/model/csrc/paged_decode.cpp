@@ -15,7 +15,6 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -348,13 +347,3 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY(pagedserve, m) {
-  m.def(
-      "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int sliding_window) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("paged_decode_attention", &pagedserve::paged_decode_attention);
-}

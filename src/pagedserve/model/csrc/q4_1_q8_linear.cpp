@@ -26,7 +26,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
@@ -321,11 +320,3 @@ at::Tensor q4_1_q8_linear(const at::Tensor& input, const at::Tensor& packed_weig
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("pack_q4_1_q8(Tensor values, Tensor scales, Tensor minima) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("pack_q4_1_q8", &pagedserve::pack_q4_1_q8);
-}

@@ -10,7 +10,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -132,11 +131,3 @@ at::Tensor rotary_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const 
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def(
-      "rotary_and_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-      "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("rotary_and_cache", &pagedserve::rotary_and_cache); }

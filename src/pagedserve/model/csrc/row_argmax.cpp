@@ -10,7 +10,6 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -58,7 +57,3 @@ at::Tensor row_argmax(const at::Tensor& values) {
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) { m.def("row_argmax(Tensor values) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("row_argmax", &pagedserve::row_argmax); }
