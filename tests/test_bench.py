@@ -28,10 +28,10 @@ from pagedserve.bench.datasets import (
     w1_requests,
 )
 from pagedserve.bench.metrics import RequestResult, Slo, summarize
-from pagedserve.bench.records import Distribution, Run
+from pagedserve.bench.records import Distribution, Run, StepCounts
 from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
 from pagedserve.bench.server_metrics import Histogram
-from pagedserve.bench.sweep import largest_meeting
+from pagedserve.bench.sweep import flat_batch_size, largest_meeting
 from pagedserve.timing import Stopwatch, device_clock, synchronize
 
 # Metric formulas on a synthetic stream.
@@ -159,7 +159,7 @@ def test_histogram_quantiles_interpolate_within_buckets():
     assert run.quantile(1.0) == 0.2  # beyond the last finite bound, the bound is all we know
 
 
-def test_largest_batch_meeting_an_slo():
+def test_largest_batch_meeting_an_slo_and_where_decode_steps_cost_the_same():
     def point(batch: int, tpot_p99: float) -> Run:
         def dist(p99: float) -> Distribution:
             return Distribution(mean=p99, p50=p99, p90=p99, p99=p99)
@@ -182,6 +182,18 @@ def test_largest_batch_meeting_an_slo():
     assert largest_meeting(points, Slo(tpot=100)).batch_size == 4
     assert largest_meeting(points, Slo(tpot=100, ttft=25)).batch_size == 2
     assert largest_meeting(points, Slo(tpot=10)) is None
+    for point_, step_s in zip(points, (0.020, 0.022, 0.026, 0.040), strict=True):
+        point_.steps = StepCounts(
+            steps=4,
+            release_step_p50=4,
+            prefill_steps=1,
+            prefill_step_mean_s=0.1,
+            decode_steps=3,
+            decode_step_mean_s=step_s,
+            seconds_in_prefill_steps=0.1,
+        )
+    assert flat_batch_size(points) == 2  # 0.026 s is more than 1.25 x 0.020 s
+    assert flat_batch_size(points, tolerance=1.3) == 4
 
 
 # The timing helper.
@@ -438,9 +450,9 @@ def test_gguf_weight_bytes_count_every_tensor_at_its_quantized_size():
 
 def test_report_writes_every_section(checkpoint, tmp_path):
     from pagedserve.bench.cli import main
-    from pagedserve.bench.records import HostResults
-    from pagedserve.bench.render import SEATED_ROWS
-    from pagedserve.bench.report import ReportConfig, write_report
+    from pagedserve.bench.records import HostResults, output_ratio
+    from pagedserve.bench.render import SEATED_ROWS, step_count_bound
+    from pagedserve.bench.report import POLICIES, ReportConfig, write_report
     from pagedserve.bench.speed import LongPromptLoad
     from pagedserve.model.cpu_features import CpuFeatures
 
@@ -450,7 +462,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         plots_dir=tmp_path / "bench",
         baseline_requests=2,
         baseline_batch_sizes=(1, 2),
-        sweep_batch_sizes=(1, 2),
+        sweep_batch_sizes=(8, 16),
         sweep_prompt_len=4,
         sweep_output_len=4,
         serve_dataset=DatasetSpec("random", 4, (4, 8), (2, 4)),
@@ -487,6 +499,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     report = (host_dir / "REPORT.md").read_text()
     for heading in (
         "## Continuous against static batching on W1",
+        "### Where decode steps cost the same",
         "## Against transformers' `generate`",
         "## KV cache usage over time on W1",
         "## The seed scenario, step by step",
@@ -538,7 +551,17 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     continuous, static = (run.steps for run in d.policies)
     assert f"would give\n**{static.steps / continuous.steps:.2f}x** static's" in report
     # Two rounds of each policy, taking turns; the tables hold each policy's faster run.
-    assert stage_names[1:5] == ["W1 continuous 1", "W1 static 1", "W1 continuous 2", "W1 static 2"]
+    turns = [f"W1 {policy} at 16 seats, round {n}" for n in (1, 2) for policy in POLICIES]
+    assert stage_names[1:5] == turns
+    # Again where the sweep's decode steps cost about the same, the target's batch size.
+    flat = flat_batch_size(d.sweep)
+    flat_continuous, flat_static = d.flat_policies
+    assert flat in (8, 16) and flat_continuous.batch_size == flat_static.batch_size == flat
+    flat_turns = [f"W1 {policy} at {flat} seats, round {n}" for n in (1, 2) for policy in POLICIES]
+    after_sweep = stage_names.index("sweep") + 1
+    assert stage_names[after_sweep : after_sweep + 4] == flat_turns
+    share = output_ratio(flat_continuous, flat_static) / step_count_bound(*d.flat_policies)[0]
+    assert f"{100 * share:.0f}% ({output_ratio(flat_continuous, flat_static):.2f}x" in targets
     durations = report.split("Durations in the order run:")[1].split("\n\n")[0]
     for run in d.policies:
         assert f"{run.duration_s:.1f}" in durations

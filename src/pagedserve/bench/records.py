@@ -345,6 +345,9 @@ class Details(Record):
     ceilings: Ceilings
     policies: list[Run]  # each policy's fastest W1 run: continuous, then static
     policy_durations: dict[str, list[float]] | None  # every run's, by policy, in the order run
+    # The same at the sweep's largest batch size whose decode steps cost about the same
+    # (sweep.flat_batch_size): continuous, then static.
+    flat_policies: list[Run] | None = None
     kv_usage: list[KvUsage] | None
     baseline: list[Run]  # ours, then transformers at each batch size, on W1's first requests
     sweep: list[Run]

@@ -92,7 +92,9 @@ def targets(details: Details, machine: Machine) -> list[Target]:
     assert http.e2e_ms is not None
     http_share = output_ratio(http, seated)
     http_e2e = http.e2e_ms.p50 / seated.e2e_ms.p50
-    continuous, static = d.policies
+    # At the batch size where decode steps cost about the same, as the bound assumes; results
+    # from before that run have only max_num_seqs 16's.
+    continuous, static = d.flat_policies or d.policies
     policy_ratio = output_ratio(continuous, static)
     bound, _ = step_count_bound(continuous, static)
     by_batch = {profile.batch: profile for profile in d.profiles}
@@ -176,8 +178,9 @@ def targets(details: Details, machine: Machine) -> list[Target]:
         ),
         Target(
             number="29",
-            name=f"W1 at max_num_seqs {continuous.batch_size}: continuous against static output "
-            "tokens/s, as a share of the step-count bound",
+            name=f"W1 at max_num_seqs {continuous.batch_size} (decode steps costing about the "
+            "same in the sweep): continuous against static output tokens/s, as a share of the "
+            "step-count bound",
             goal=">= 90%",
             measured=f"{100 * policy_ratio / bound:.0f}% ({policy_ratio:.2f}x of at most "
             f"{bound:.2f}x)",

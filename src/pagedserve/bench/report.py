@@ -63,7 +63,13 @@ from pagedserve.bench.speed import (
     profile_decode_steps,
     run_long_prompt_load,
 )
-from pagedserve.bench.sweep import DEFAULT_BATCH_SIZES, fixed_requests, largest_meeting, run_sweep
+from pagedserve.bench.sweep import (
+    DEFAULT_BATCH_SIZES,
+    fixed_requests,
+    flat_batch_size,
+    largest_meeting,
+    run_sweep,
+)
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.bench.timeline import HELD, Segment, run_seed_scenario
 from pagedserve.engine.model_runner import resolve_device
@@ -193,15 +199,8 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
     engine_args, requests = config.engine_args, w1_requests()
     measure = partial(measure_ceilings, resolve_device("auto"))
     first_ceilings = stages.run("ceilings", measure)
-    policy_runs = [
-        stages.run(f"W1 {policy} {round_}", partial(_w1_run, config, requests, policy))
-        for round_ in range(1, config.w1_policy_rounds + 1)
-        for policy in POLICIES
-    ]
-    policies = [
-        min((run for run in policy_runs if run.name == policy), key=lambda run: run.duration_s)
-        for policy in POLICIES
-    ]
+    policy_runs = _policy_rounds(config, requests, stages, config.w1_batch_size)
+    policies = _fastest_of_each_policy(policy_runs)
     plots.policies_plot(policies, plots_dir / "w1_policies.png")
     plots.kv_usage_plot(policies, plots_dir / "w1_kv_cache.png")
     setup = policies[0].setup
@@ -219,6 +218,8 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
     )
     best = largest_meeting(sweep, config.sweep_slo)
     plots.sweep_plot(sweep, config.sweep_slo, best, plots_dir / "sweep.png")
+    flat = flat_batch_size(sweep)
+    flat_policies = _fastest_of_each_policy(_policy_rounds(config, requests, stages, flat))
     segments = stages.run("seed timeline", partial(_seed_timelines, engine_args))
     plots.timeline_plot(segments, plots_dir / "seed_timeline.png")
     serve = stages.run("bench serve", partial(_serve_run, config, setup))
@@ -242,6 +243,7 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
             policy: [run.duration_s for run in policy_runs if run.name == policy]
             for policy in POLICIES
         },
+        flat_policies=[run.summary() for run in flat_policies],
         kv_usage=[_kv_usage(run) for run in policies],
         baseline=[run.summary() for run in baseline],
         sweep=sweep,
@@ -256,6 +258,28 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
         profiles=profiles,
         long_prompts=long_prompts,
     )
+
+
+def _policy_rounds(
+    config: ReportConfig, requests: list[BenchRequest], stages: _Stages, seats: int
+) -> list[OfflineRun]:
+    """W1 under each policy at max_num_seqs seats, config.w1_policy_rounds times, the policies
+    taking turns."""
+    return [
+        stages.run(
+            f"W1 {policy} at {seats} seats, round {round_}",
+            partial(_w1_run, config, requests, policy, seats),
+        )
+        for round_ in range(1, config.w1_policy_rounds + 1)
+        for policy in POLICIES
+    ]
+
+
+def _fastest_of_each_policy(runs: list[OfflineRun]) -> list[OfflineRun]:
+    return [
+        min((run for run in runs if run.name == policy), key=lambda run: run.duration_s)
+        for policy in POLICIES
+    ]
 
 
 def _kv_usage(run: OfflineRun) -> KvUsage:

@@ -51,6 +51,19 @@ def _run_points(
     ]
 
 
+def flat_batch_size(points: list[Run], tolerance: float = 1.25) -> int:
+    """The largest batch size whose mean decode step costs at most tolerance times the smallest
+    batch's: where decode is bound by reading the weights, so every step costs about the same
+    whatever it holds, the case the policies' step-count bound assumes."""
+    step_s = {
+        p.batch_size: p.steps.decode_step_mean_s
+        for p in points
+        if p.steps is not None and p.steps.decode_step_mean_s is not None
+    }
+    first = step_s[min(step_s)]
+    return max(size for size, seconds in step_s.items() if seconds <= tolerance * first)
+
+
 def largest_meeting(points: list[Run], slo: Slo) -> Run | None:
     """The point with the largest batch whose p99 TTFT and TPOT meet slo (its e2e is ignored)."""
     meeting = [
