@@ -37,7 +37,7 @@ def default_model_dir() -> Path:
 
 
 def _tiny_config(architecture: str, vocab_size: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     if architecture == "llama":
         return LlamaConfig(vocab_size=vocab_size, **_TINY_SHAPE)
@@ -50,7 +50,61 @@ def _tiny_config(architecture: str, vocab_size: int):
         return Qwen2Config(vocab_size=vocab_size, **_TINY_SHAPE)
     if architecture == "qwen3":
         return Qwen3Config(vocab_size=vocab_size, head_dim=24, rope_theta=1e6, **_TINY_SHAPE)
+    if architecture in ROPE_VARIANTS:
+        return _rope_variant_config(architecture, vocab_size)
+    if architecture == "phi3":
+        # Phi-3 mini 128k's shape of config: fused projections in the checkpoint, longrope, and
+        # (as the 4k model has) a sliding window, shorter than the longer prompts.
+        return Phi3Config(
+            vocab_size=vocab_size,
+            sliding_window=48,
+            rope_scaling=_rope_variant_scaling("llama-longrope"),
+            pad_token_id=0,
+            **_TINY_SHAPE,
+        )
     raise ValueError(architecture)
+
+
+# RoPE scalings of the models people serve, each over an original context of 64 positions that
+# the tests' longer prompts and outputs pass: Llama 3.x (llama3, tied embeddings as in 3.2),
+# Qwen2.5's yarn, Phi-3's longrope, and the older linear and dynamic.
+ROPE_VARIANTS = ("llama-linear", "llama-dynamic", "llama3", "qwen2-yarn", "llama-longrope")
+_ORIGINAL_CONTEXT = 64
+
+
+def _rope_variant_config(variant: str, vocab_size: int):
+    from transformers import LlamaConfig, Qwen2Config
+
+    scaling = _rope_variant_scaling(variant)
+    if variant == "qwen2-yarn":
+        return Qwen2Config(vocab_size=vocab_size, rope_scaling=scaling, **_TINY_SHAPE)
+    tied = variant == "llama3"
+    return LlamaConfig(
+        vocab_size=vocab_size, rope_scaling=scaling, tie_word_embeddings=tied, **_TINY_SHAPE
+    )
+
+
+def _rope_variant_scaling(variant: str) -> dict:
+    half_head = _TINY_SHAPE["hidden_size"] // _TINY_SHAPE["num_attention_heads"] // 2
+    original = {"original_max_position_embeddings": _ORIGINAL_CONTEXT}
+    return {
+        "llama-linear": {"rope_type": "linear", "factor": 4.0},
+        "llama-dynamic": {"rope_type": "dynamic", "factor": 4.0},
+        "llama3": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            **original,
+        },
+        "qwen2-yarn": {"rope_type": "yarn", "factor": 4.0, **original},
+        "llama-longrope": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(half_head)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half_head)],
+            **original,
+        },
+    }[variant]
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +141,24 @@ def rounded_to_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = x.reshape(*x.shape[:-1], -1, 32)
     largest = groups.abs().amax(dim=-1, keepdim=True)
     return (groups * torch.where(largest > 0, 127 / largest, 0.0)).round(), largest / 127
+
+
+def greedy_references(tiny_checkpoint, prompts: list[list[int]], max_new_tokens: int):
+    """A function giving, for an architecture, transformers' greedy outputs of each prompt
+    alone on its tiny checkpoint, computed once."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(architecture: str) -> list[list[int]]:
+        if architecture not in cache:
+            model = AutoModelForCausalLM.from_pretrained(
+                tiny_checkpoint(architecture), dtype=torch.float32
+            )
+            cache[architecture] = [reference_greedy(model, p, max_new_tokens) for p in prompts]
+        return cache[architecture]
+
+    return get
 
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

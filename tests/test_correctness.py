@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import (
     TINY_ARCHITECTURES,
+    greedy_references,
     reference_greedy,
     reference_greedy_with_margins,
     rounded_to_q8,
@@ -31,17 +32,7 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(tiny_checkpoint):
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(architecture: str) -> list[list[int]]:
-        if architecture not in cache:
-            model = AutoModelForCausalLM.from_pretrained(
-                tiny_checkpoint(architecture), dtype=torch.float32
-            )
-            cache[architecture] = [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
-        return cache[architecture]
-
-    return get
+    return greedy_references(tiny_checkpoint, _prompts(), NEW_TOKENS)
 
 
 def _generate(llm: LLM) -> list[list[int]]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import rounded_to_q8
 
 from pagedserve.model.kernels import build_directory_of, cpu_kernels_available
-from pagedserve.model.layers import RotaryEmbedding
+from pagedserve.model.rotary import RotaryEmbedding, default_frequencies
 
 
 def _reference(query, k_cache, v_cache, tables, context_lens, window):
@@ -441,7 +441,8 @@ def test_rotary_and_cache_matches_torch(num_heads, num_kv_heads, head_dim, cache
     generator = torch.Generator().manual_seed(0)
     num_tokens, cache_shape = 5, (4, 4, num_kv_heads, head_dim)  # 16 slots
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
-    angles = RotaryEmbedding(head_dim, 10000.0, 64, torch.float32)(torch.tensor([0, 3, 7, 8, 60]))
+    rotary = RotaryEmbedding(default_frequencies(head_dim, 10000.0), 64, torch.float32)
+    angles = rotary(torch.tensor([0, 3, 7, 8, 60]))
     slots = torch.tensor([2, 15, 0, 9, 4])
     k_cache = torch.randn(cache_shape, generator=generator).to(cache_dtype)
     v_cache = torch.randn(cache_shape, generator=generator).to(cache_dtype)
@@ -462,7 +463,7 @@ def test_rotary_and_cache_matches_torch(num_heads, num_kv_heads, head_dim, cache
 
 def test_rotary_and_cache_rejects_mismatched_inputs():
     assert cpu_kernels_available()
-    angles = RotaryEmbedding(8, 10000.0, 8, torch.float32)(torch.tensor([0]))
+    angles = RotaryEmbedding(default_frequencies(8, 10000.0), 8, torch.float32)(torch.tensor([0]))
     cache = torch.zeros(2, 4, 1, 8)  # 8 slots, one KV head of 8
 
     def call(width: int, slot: int, num_heads: int) -> torch.Tensor:
@@ -483,7 +484,7 @@ def test_rotary_and_cache_rejects_mismatched_inputs():
 def test_decode_layers_rejects_a_wrong_weight_list():
     assert cpu_kernels_available()
     hidden, cache = torch.zeros(1, 8), torch.zeros(2, 4, 1, 8)
-    angles = RotaryEmbedding(8, 10000.0, 8, torch.float32)(torch.tensor([0]))
+    angles = RotaryEmbedding(default_frequencies(8, 10000.0), 8, torch.float32)(torch.tensor([0]))
 
     def call(weights: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.pagedserve.decode_layers(

@@ -15,7 +15,11 @@ _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    # A checkpoint directory, a .gguf file or a hub name (org/name[@revision]); None: the
+    # embedded SmolLM2-135M-Instruct.
+    model: str | None = None
+    # A Jinja chat template (a file, or the template itself) used instead of the tokenizer's.
+    chat_template: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA; float32 on a CPU (model_runner.resolve_dtype)
     device: str = "auto"  # auto: cuda when present, else cpu
     block_size: int = 16

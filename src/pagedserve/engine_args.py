@@ -17,7 +17,16 @@ from pagedserve.config import (
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = {f.name: f.default for f in fields(EngineConfig)}
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2)")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint dir, .gguf file or hub name org/name[@revision] (default: SmolLM2)",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file to use instead of the tokenizer's",
+    )
     group.add_argument("--dtype", choices=DTYPES, default=defaults["dtype"])
     group.add_argument("--device", default=defaults["device"], help="auto, cpu, cuda, cuda:1")
     group.add_argument("--block-size", type=int, default=defaults["block_size"])

@@ -145,6 +145,7 @@ def write_report(config: ReportConfig, output: Path) -> Path:
     """Runs every benchmark on this host; writes its results, plots and REPORT.md under
     config.plots_dir/<kind>/, then BENCHMARKS.md from every kind's results there."""
     started, load_before = time.monotonic(), os.getloadavg()[0]
+    commit = _commit()  # before the run writes its plots into the checkout
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -157,7 +158,7 @@ def write_report(config: ReportConfig, output: Path) -> Path:
     details.load_average = (load_before, os.getloadavg()[0])
     host = HostResults(
         date=date.today().isoformat(),
-        commit=_commit(),
+        commit=commit,
         machine=machine,
         headline=headline(details),
         targets=targets(details, machine),

@@ -54,6 +54,8 @@ class LLMEngine:
         self.model_dir = model_dir
         model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = _load_tokenizer(model_dir)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = _read_chat_template(config.chat_template)
         self.eos_token_ids = _eos_token_ids(model_dir, model_config, self.tokenizer)
         self.runner = ModelRunner(model_dir, config, self.eos_token_ids)
         self.vocab_size = model_config.vocab_size
@@ -239,6 +241,16 @@ def _load_tokenizer(model_dir: Path):
             f"model directory {model_dir} has no tokenizer ({' or '.join(_TOKENIZER_FILES)})"
         )
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _read_chat_template(template: str) -> str:
+    """chat_template: a Jinja file, or the template's own text (it holds "{{" or "{%")."""
+    if "{{" in template or "{%" in template:
+        return template
+    path = Path(template).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat_template {template!r} is neither a file nor a Jinja template")
+    return path.read_text()
 
 
 def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[int, ...]:

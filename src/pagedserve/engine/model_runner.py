@@ -139,9 +139,13 @@ class ModelRunner:
         query_lens, context_lens, block_tables = [], [], []
         sampling_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
+        long_after = self.model.rotary.long_after  # longrope's original context, else None
+        long_prompts: list[bool] = []
         for seq, num_new in batch.entries:
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + num_new])
+            if long_after is not None:
+                long_prompts += [seq.num_prompt_tokens > long_after] * num_new
             query_lens.append(num_new)
             context_lens.append(start + num_new)
             block_tables.append(seq.block_table)
@@ -161,7 +165,8 @@ class ModelRunner:
         )
         input_tensor = torch.tensor(input_ids, device=self.device)
         timer.lap("prepare")
-        hidden = self.model(input_tensor, attention)
+        long_tensor = torch.tensor(long_prompts, device=self.device) if long_prompts else None
+        hidden = self.model(input_tensor, attention, long_tensor)
         if not sampling_seqs:
             timer.lap("forward")
             return []

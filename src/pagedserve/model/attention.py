@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.custom_op import CustomOp
-from pagedserve.model.layers import Linear, RMSNorm, RotaryAngles
+from pagedserve.model.layers import Linear, RMSNorm
+from pagedserve.model.rotary import RotaryAngles
 
 # More than any table's length in blocks can need (2**64 blocks).
 _CONTEXT_BUCKETS = 64

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
+# RoPE types whose angles transformers' own functions compute (transformers.modeling_rope_utils).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope_type: str
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -34,6 +38,8 @@ class ModelConfig:
     qk_norm: bool
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    # config.json as read, for what transformers computes from it (RoPE's frequencies).
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -64,7 +70,7 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(raw),
+            rope_type=_rope_type(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always biases q, k and v, whatever its config says; its output has none.
@@ -74,20 +80,36 @@ class ModelConfig:
             qk_norm=architecture == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(raw, architecture),
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+            raw=raw,
         )
 
+    def transformers_config(self):
+        """The transformers config of this model, as its RoPE functions take it."""
+        from transformers import AutoConfig
 
-def _rope_theta(raw: dict) -> float:
-    # transformers 5 nests RoPE settings in rope_parameters; older configs keep them top level.
+        settings = {key: value for key, value in self.raw.items() if key != "model_type"}
+        return AutoConfig.for_model(self.raw["model_type"], **settings)
+
+
+def _rope_type(raw: dict) -> str:
+    # transformers 5 nests RoPE settings in rope_parameters; older configs call them rope_scaling.
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default' RoPE is implemented")
-    return float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; pagedserve supports "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(
+            f"unsupported partial_rotary_factor {partial}: RoPE over the whole head only"
+        )
+    return rope_type
 
 
 def _sliding_window(raw: dict, architecture: str) -> int | None:
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):  # whenever the config sets one
         return raw.get("sliding_window")
     if raw.get("use_sliding_window"):
         raise ValueError(f"{architecture} with use_sliding_window=true is not supported")

@@ -9,8 +9,9 @@ from torch import nn
 from pagedserve.model.attention import AttentionBatch, AttentionGroup, PagedAttention
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.custom_op import CustomOp
-from pagedserve.model.layers import Linear, RMSNorm, RotaryAngles, RotaryEmbedding, SwiGLU
+from pagedserve.model.layers import Linear, RMSNorm, SwiGLU
 from pagedserve.model.linear_method import PACKED_FORMATS, PackedFormats
+from pagedserve.model.rotary import RotaryAngles, RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -65,19 +66,23 @@ class DecoderModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         if config.tie_word_embeddings:  # the logits' product reads the embeddings
             self.lm_head.weight = self.embed_tokens
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.max_position_embeddings, dtype
-        )
+        self.rotary = RotaryEmbedding.from_config(config, dtype)
         # Set by use_cpu_kernels where every layer runs its C++ kernels: the weights of the op
         # that runs a decode-only step's layers in one call (csrc/decode_layers.cpp).
         self.decode_weights: list[torch.Tensor | None] | None = None
         self.k_caches: list[torch.Tensor] = []  # each layer's, once attached
         self.v_caches: list[torch.Tensor] = []
 
-    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """input_ids: [tokens], every scheduled token of the step packed together."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: AttentionBatch,
+        long_prompts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids: [tokens], every scheduled token of the step packed together. long_prompts:
+        see RotaryEmbedding.forward (longrope only)."""
         hidden, residual = F.embedding(input_ids, self.embed_tokens), None
-        angles = self.rotary(batch.positions)
+        angles = self.rotary(batch.positions, long_prompts)
         decodes = batch.in_place_decodes
         if self.decode_weights is not None and decodes is not None:
             hidden, residual = self._decode_in_one_call(hidden, angles, batch, decodes)

@@ -1,8 +1,6 @@
-"""The small building blocks of a decoder layer: linear maps, RMSNorm, rotary embeddings, SwiGLU."""
+"""The small building blocks of a decoder layer: linear maps, RMSNorm, SwiGLU."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,37 +54,6 @@ class RMSNorm(CustomOp):
             return torch.ops.pagedserve.rms_norm(rows, self.weight, self.eps).view(x.shape)
         torch.ops.pagedserve.add_rms_norm_(x, residual, self.weight, self.eps)
         return x, residual
-
-
-@dataclass
-class RotaryAngles:
-    """cos and sin of each token's rotation, [tokens, head_dim]: looked up once per step and
-    shared by every layer."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]; the "rotate half" RoPE layout of Llama."""
-        first, second = x.chunk(2, dim=-1)
-        rotated = torch.cat([-second, first], dim=-1)
-        return x * self.cos.unsqueeze(1) + rotated * self.sin.unsqueeze(1)
-
-
-class RotaryEmbedding(nn.Module):
-    """The rotation angles of every position up to the model's maximum."""
-
-    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype):
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> RotaryAngles:
-        """positions: [tokens]."""
-        return RotaryAngles(self.cos[positions], self.sin[positions])
 
 
 class SiluAndMul(CustomOp):

@@ -1,4 +1,5 @@
-"""Finds the checkpoint directory for a model argument, converting GGUF files once into a cache.
+"""Finds the checkpoint directory for a model argument: a directory, a GGUF file converted once
+into a cache, or a hub name (org/name[@revision]) resolved through huggingface_hub's cache.
 
 GGUF files (the embedded default model among them) are dequantised by transformers' GGUF reader,
 which takes tens of seconds; the result is saved as a plain safetensors checkpoint under the cache
@@ -11,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -27,17 +29,68 @@ _GGUF_LINEAR_MAPS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "f
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """Returns a directory holding config.json, safetensors weights and tokenizer files."""
+    """Returns a directory holding config.json, safetensors weights and tokenizer files: the
+    model argument's own directory, its GGUF file converted, or a hub name's snapshot."""
     gguf_path = gguf_file(model)
     if gguf_path is not None:
         return converted_gguf_dir(gguf_path)
     path = Path(model).expanduser()
-    if not path.is_dir():
+    if path.is_dir():
+        return path
+    name = hub_name(model)
+    if name is None:
         raise FileNotFoundError(
-            f"model {model!r} is neither a checkpoint directory nor a .gguf file "
-            "(no model hub is consulted)"
+            f"model {model!r} is neither a checkpoint directory, a .gguf file nor a hub name "
+            "(org/name or org/name@revision)"
         )
-    return path
+    return hub_snapshot(*name)
+
+
+def hub_name(model: str) -> tuple[str, str | None] | None:
+    """(repository, revision or None) when model is a hub name rather than a local path."""
+    match = _HUB_NAME.match(model)
+    if match is None or Path(model).expanduser().exists():
+        return None
+    return match["repo"], match["revision"]
+
+
+# A Hugging Face repository id, optionally with @revision (a branch, tag or commit).
+_HUB_NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+# What a checkpoint directory needs: config, weights, tokenizer and chat template files.
+_HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "*.model",
+    "chat_template.jinja",
+    "chat_template.json",
+]
+
+
+def hub_snapshot(repo: str, revision: str | None) -> Path:
+    """The local snapshot of a hub repository, through huggingface_hub: its cache (HF_HOME,
+    HF_HUB_CACHE), fetching only _HUB_FILES when online (HF_TOKEN for gated repositories), the
+    cache alone with HF_HUB_OFFLINE=1."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    name = repo if revision is None else f"{repo}@{revision}"
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=_HUB_FILES))
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"model {name!r} is not in the Hugging Face cache and the hub cannot be reached "
+            "(offline, or HF_HUB_OFFLINE=1): download it where the hub is reachable, or give a "
+            "checkpoint directory or a .gguf file"
+        ) from None
+    except HfHubHTTPError as error:
+        raise FileNotFoundError(f"model {name!r}: the hub refused it: {error}") from None
 
 
 def gguf_file(model: str | None) -> Path | None:

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.model.source import DEFAULT_GGUF_FILE
+from pagedserve.model.source import DEFAULT_GGUF_FILE, hub_name
 from pagedserve.server.app import ServerState, build_app
 from pagedserve.server.metrics import ServerMetrics
 
@@ -31,8 +31,13 @@ _GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 def served_model_name(model: str | None) -> str:
+    """The name clients send as "model": a hub name's repository (as vLLM serves it), else the
+    directory's or GGUF file's name."""
     if model is None:
         return DEFAULT_GGUF_FILE.split(".")[0]
+    name = hub_name(model)
+    if name is not None:
+        return name[0]
     return Path(model).name.removesuffix(".gguf")
 
 

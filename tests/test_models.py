@@ -1,0 +1,157 @@
+"""The models people bring (issue 30): RoPE variants from the config, token-exact against
+transformers' own generate on each prompt alone, in float32; hub names from a local cache; a chat
+template of one's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROPE_VARIANTS, greedy_references
+from transformers import LlamaConfig
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.model.config import ModelConfig
+from pagedserve.server.serve import served_model_name
+
+# Below, at and beyond the variants' original context of 64 positions; the shorter ones pass it
+# while generating.
+PROMPT_LENGTHS = (1, 9, 40, 63, 64, 100, 180, 300)
+NEW_TOKENS = 32
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, 49152, n).tolist() for n in PROMPT_LENGTHS]
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoint):
+    return greedy_references(tiny_checkpoint, _prompts(), NEW_TOKENS)
+
+
+@pytest.mark.parametrize("variant", ROPE_VARIANTS)
+def test_rope_variants_match_transformers(variant, tiny_checkpoint, references):
+    llm = LLM(str(tiny_checkpoint(variant)), dtype="float32")
+    assert llm.engine.runner.model_config.rope_type == variant.rsplit("-")[-1]
+    assert _generate(llm) == references(variant)
+
+
+def test_phi3_matches_transformers(tiny_checkpoint, references):
+    """Phi-3: its checkpoint's fused qkv_proj and gate_up_proj, longrope, a sliding window."""
+    llm = LLM(str(tiny_checkpoint("phi3")), dtype="float32")
+    config = llm.engine.runner.model_config
+    assert (config.architecture, config.rope_type, config.sliding_window) == (
+        "Phi3ForCausalLM",
+        "longrope",
+        48,
+    )
+    assert _generate(llm) == references("phi3")
+
+
+@pytest.mark.parametrize("variant", ["llama-longrope", "llama3", "phi3"])
+def test_rope_variants_match_transformers_chunked_and_preempted(
+    variant, tiny_checkpoint, references
+):
+    """longrope's angles depend on the prompt's length: chunks of a long prompt, and a request
+    recomputed after preemption, still take the long factors."""
+    llm = LLM(
+        str(tiny_checkpoint(variant)),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=60,
+        max_num_batched_tokens=64,
+    )
+    assert _generate(llm) == references(variant)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_torch_operators_take_the_same_rope(tiny_checkpoint, references):
+    llm = LLM(str(tiny_checkpoint("qwen2-yarn")), dtype="float32", cpu_kernels=False)
+    assert _generate(llm) == references("qwen2-yarn")
+
+
+def test_an_unknown_rope_type_is_refused_by_name():
+    raw = LlamaConfig(hidden_size=64, num_attention_heads=4).to_dict()
+    raw["architectures"] = ["LlamaForCausalLM"]
+    raw["rope_scaling"] = {"rope_type": "mrope", "factor": 2.0}
+    raw.pop("rope_parameters", None)
+    with pytest.raises(ValueError, match="unsupported rope_type 'mrope'; pagedserve supports"):
+        ModelConfig.from_dict(raw)
+    raw["rope_scaling"] = None
+    raw["partial_rotary_factor"] = 0.5
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.5"):
+        ModelConfig.from_dict(raw)
+
+
+# Hub names, resolved through a Hugging Face cache laid out here, offline.
+
+_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _run_offline(hf_home, model: str) -> subprocess.CompletedProcess:
+    """Greedy tokens of one prompt from LLM(model) in a fresh process with HF_HOME=hf_home and
+    HF_HUB_OFFLINE=1, printed as JSON."""
+    script = (
+        "import json, sys; from pagedserve import LLM, SamplingParams; "
+        "llm = LLM(sys.argv[1], dtype='float32'); "
+        "out = llm.generate([{'prompt_token_ids': [5, 6, 7, 8]}], "
+        "SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)); "
+        "print(json.dumps(out[0].outputs[0].token_ids))"
+    )
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    return subprocess.run(
+        [sys.executable, "-c", script, model], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_hub_name_loads_from_the_local_cache_offline(tiny_checkpoint, tmp_path):
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama3"
+    shutil.copytree(tiny_checkpoint("llama3"), repo / "snapshots" / _COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(_COMMIT)
+    here = LLM(str(repo / "snapshots" / _COMMIT), dtype="float32")
+    expected = (
+        here.generate(
+            [{"prompt_token_ids": [5, 6, 7, 8]}],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    for name in ("tiny-org/tiny-llama3", f"tiny-org/tiny-llama3@{_COMMIT}"):
+        run = _run_offline(tmp_path, name)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert json.loads(run.stdout.strip().splitlines()[-1]) == expected
+    missing = _run_offline(tmp_path, "tiny-org/not-cached")
+    assert missing.returncode != 0
+    assert "model 'tiny-org/not-cached' is not in the Hugging Face cache" in missing.stderr
+
+
+def test_served_model_name_of_a_hub_name_is_the_repository():
+    assert served_model_name("Qwen/Qwen2.5-0.5B-Instruct@main") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert served_model_name("/models/SmolLM2.Q4_1.gguf") == "SmolLM2.Q4_1"
+
+
+def test_a_chat_template_file_replaces_the_tokenizers(tiny_checkpoint, tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    )
+    llm = LLM(str(tiny_checkpoint("llama3")), dtype="float32", chat_template=str(template))
+    ids = llm.chat_token_ids([{"role": "user", "content": "hi"}])
+    assert llm.get_tokenizer().decode(ids) == "[user] hi\n[assistant] "
+    with pytest.raises(ValueError, match=r"chat_template 'no-such\.jinja' is neither a file"):
+        LLM(str(tiny_checkpoint("llama3")), dtype="float32", chat_template="no-such.jinja")
