@@ -12,11 +12,13 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROPE_VARIANTS, greedy_references
 from transformers import LlamaConfig
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.rotary import RotaryEmbedding, default_frequencies
 from pagedserve.server.serve import served_model_name
 
 # Below, at and beyond the variants' original context of 64 positions; the shorter ones pass it
@@ -80,6 +82,17 @@ def test_rope_variants_match_transformers_chunked_and_preempted(
 def test_torch_operators_take_the_same_rope(tiny_checkpoint, references):
     llm = LLM(str(tiny_checkpoint("qwen2-yarn")), dtype="float32", cpu_kernels=False)
     assert _generate(llm) == references("qwen2-yarn")
+
+
+def test_a_config_without_model_type_takes_its_architectures():
+    raw = LlamaConfig(hidden_size=64, num_attention_heads=4).to_dict()
+    raw["architectures"] = ["LlamaForCausalLM"]
+    raw["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    del raw["model_type"]
+    linear = RotaryEmbedding.from_config(ModelConfig.from_dict(raw), torch.float32)
+    default = RotaryEmbedding(default_frequencies(16, 10000.0), 8, torch.float32)
+    # Linear scaling by 2 halves the frequencies: position 6 turns as far as position 3 did.
+    assert torch.equal(linear(torch.tensor([6])).cos, default(torch.tensor([3])).cos)
 
 
 def test_an_unknown_rope_type_is_refused_by_name():

@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Phi3ForCausalLM",
-)
+# Each supported architecture and its transformers model_type.
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 # RoPE types whose angles transformers' own functions compute (transformers.modeling_rope_utils).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -88,7 +90,8 @@ class ModelConfig:
         from transformers import AutoConfig
 
         settings = {key: value for key, value in self.raw.items() if key != "model_type"}
-        return AutoConfig.for_model(self.raw["model_type"], **settings)
+        model_type = self.raw.get("model_type") or MODEL_TYPES[self.architecture]
+        return AutoConfig.for_model(model_type, **settings)
 
 
 def _rope_type(raw: dict) -> str:
