@@ -220,7 +220,9 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
     best = largest_meeting(sweep, config.sweep_slo)
     plots.sweep_plot(sweep, config.sweep_slo, best, plots_dir / "sweep.png")
     flat = flat_batch_size(sweep)
-    flat_policies = _fastest_of_each_policy(_policy_rounds(config, requests, stages, flat))
+    flat_policies = policies  # already measured when the sweep picks the same size
+    if flat != config.w1_batch_size:
+        flat_policies = _fastest_of_each_policy(_policy_rounds(config, requests, stages, flat))
     segments = stages.run("seed timeline", partial(_seed_timelines, engine_args))
     plots.timeline_plot(segments, plots_dir / "seed_timeline.png")
     serve = stages.run("bench serve", partial(_serve_run, config, setup))
