@@ -100,7 +100,6 @@ class ModelRunner:
             )
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         self.model.attach_kv_cache(self.num_blocks, config.block_size, self.kv_cache_dtype)
-        self.eos_token_ids = eos_token_ids
         self.sampling = SamplingState(self.device, self.model_config.vocab_size, eos_token_ids)
         if self.device.type == "cpu":
             path = "C++ kernels" if self.packed_weight_dtypes is not None else "torch operators"

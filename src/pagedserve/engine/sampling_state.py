@@ -66,14 +66,15 @@ class SamplingState:
     def _build(self, seqs: list[Sequence]) -> None:
         params = [seq.params for seq in seqs]
         device = self.device
-        needs_index = any(p.min_tokens > 0 for p in params) or not all(p.greedy for p in params)
+        greedy = all(p.greedy for p in params)
+        needs_index = any(p.min_tokens > 0 for p in params) or not greedy
         self._output_index = None
         if needs_index:
             outputs = [seq.num_output_tokens for seq in seqs]
             self._output_index = torch.tensor(outputs, device=device)
         self._bans = self._ban_table(seqs)
         random = None
-        if not all(p.greedy for p in params):
+        if not greedy:
             random = RandomSampling(
                 temperature=torch.tensor([p.temperature for p in params], device=device),
                 top_k=torch.tensor([max(p.top_k, 0) for p in params], device=device),
