@@ -39,6 +39,8 @@
 #define PAGEDSERVE_HAS_AVX2 1
 #endif
 
+
+
 namespace {
 
 constexpr int64_t kGroup = 32;    // inputs per group, as in Q4_1
@@ -58,7 +60,14 @@ constexpr int64_t kVectors = 4;
 
 #ifdef PAGEDSERVE_HAS_AVX2
 
-constexpr int64_t kTileRows = 4;
+// A tile is kTileRows rows against kTilePanels panels: with AVX-512's 32 vector registers, two
+// rows against a whole strip hold every sum in registers and unpack each block once for two rows;
+// with AVX2's 16, four rows against one panel.
+#ifdef __AVX512VL__
+constexpr int64_t kTileRows = 2, kTilePanels = kStrip;
+#else
+constexpr int64_t kTileRows = 4, kTilePanels = 1;
+#endif
 
 // Input rows quantized group by group: values, and each group's d and d * (sum of its values).
 struct QuantizedRows {
@@ -115,38 +124,60 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
   return quantized;
 }
 
-// The eight features' int32 dot products of a block's values with a group's inputs. The sums are
-// exact in integers, so both ways below give the same bits: with AVX-512 VNNI (the build enables
-// it where the CPU has it), vpdpbusd adds each feature's four products straight into its int32
-// lane; without it, vpmaddubsw makes int16 pair sums and vpmaddwd adds pairs of those.
-[[gnu::always_inline]] inline __m256i block_dots(const uint8_t* values, const int8_t* inputs) {
+// The int32 dot products of each row's group of inputs with each panel's block (eight features
+// a vector): each block's values are unpacked once for all the rows, each row's inputs
+// broadcast once for all the panels. The sums are exact in integers, so both ways below give
+// the same bits: with AVX-512 VNNI (the build enables it where the CPU has it), vpdpbusd adds
+// each feature's four products straight into its int32 lane, low and high halves in separate
+// sums so that two chains of them run at once; without it, vpmaddubsw makes int16 pair sums and
+// vpmaddwd adds pairs of those.
+template <int64_t rows, int64_t panels>
+[[gnu::always_inline]] inline void group_dots(const uint8_t* const (&values)[panels],
+                                              const int8_t* const (&inputs)[rows],
+                                              __m256i (&dots)[rows][panels]) {
   const __m256i low_bits = _mm256_set1_epi8(15);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  __m256i sums = _mm256_setzero_si256();
-#else
-  __m256i pair_sums = _mm256_setzero_si256();
-#endif
+  __m256i low_sums[rows][panels], high_sums[rows][panels];
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t p = 0; p < panels; ++p) low_sums[m][p] = high_sums[m][p] = _mm256_setzero_si256();
+  }
 #pragma GCC unroll 4
   for (int64_t v = 0; v < kVectors; ++v) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 32 * v));
-    const __m256i low = _mm256_and_si256(bytes, low_bits);
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_bits);
-    int32_t first, second;
-    std::memcpy(&first, inputs + 4 * v, 4);
-    std::memcpy(&second, inputs + 16 + 4 * v, 4);
+    __m256i first[rows], second[rows];
+    for (int64_t m = 0; m < rows; ++m) {
+      int32_t four;
+      std::memcpy(&four, inputs[m] + 4 * v, 4);
+      first[m] = _mm256_set1_epi32(four);
+      std::memcpy(&four, inputs[m] + 16 + 4 * v, 4);
+      second[m] = _mm256_set1_epi32(four);
+    }
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < panels; ++p) {
+      const __m256i bytes =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[p] + 32 * v));
+      const __m256i low = _mm256_and_si256(bytes, low_bits);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_bits);
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < rows; ++m) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    sums = _mm256_dpbusd_epi32(sums, low, _mm256_set1_epi32(first));
-    sums = _mm256_dpbusd_epi32(sums, high, _mm256_set1_epi32(second));
+        low_sums[m][p] = _mm256_dpbusd_epi32(low_sums[m][p], low, first[m]);
+        high_sums[m][p] = _mm256_dpbusd_epi32(high_sums[m][p], high, second[m]);
 #else
-    pair_sums = _mm256_add_epi16(pair_sums, _mm256_maddubs_epi16(low, _mm256_set1_epi32(first)));
-    pair_sums = _mm256_add_epi16(pair_sums, _mm256_maddubs_epi16(high, _mm256_set1_epi32(second)));
+        low_sums[m][p] = _mm256_add_epi16(low_sums[m][p], _mm256_maddubs_epi16(low, first[m]));
+        high_sums[m][p] = _mm256_add_epi16(high_sums[m][p], _mm256_maddubs_epi16(high, second[m]));
 #endif
+      }
+    }
   }
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t p = 0; p < panels; ++p) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return sums;
+      dots[m][p] = _mm256_add_epi32(low_sums[m][p], high_sums[m][p]);
 #else
-  return _mm256_madd_epi16(pair_sums, _mm256_set1_epi16(1));
+      dots[m][p] = _mm256_madd_epi16(_mm256_add_epi16(low_sums[m][p], high_sums[m][p]),
+                                     _mm256_set1_epi16(1));
 #endif
+    }
+  }
 }
 
 __m256 widen_halves(const uint8_t* halves) {
@@ -180,17 +211,26 @@ template <int64_t rows, int64_t panels>
   }
   for (int64_t g = 0; g < num_groups; ++g) {
     if constexpr (rows == 1) prefetch_ahead(strip + g * kStrip * kBlockBytes);
+    const uint8_t* blocks[panels];
+    const uint8_t* values[panels];
+    const int8_t* inputs[rows];
+    for (int64_t p = 0; p < panels; ++p) {
+      blocks[p] = strip + (g * kStrip + first + p) * kBlockBytes;
+      values[p] = blocks[p] + kHeaderBytes;
+    }
+    for (int64_t m = 0; m < rows; ++m) inputs[m] = x.group_values(first_row + m, g);
+    __m256i integer_dots[rows][panels];
+    group_dots<rows, panels>(values, inputs, integer_dots);
 #pragma GCC unroll 4
     for (int64_t p = 0; p < panels; ++p) {
-      const uint8_t* block = strip + (g * kStrip + first + p) * kBlockBytes;
-      const __m256 scale = widen_halves(block), minimum = widen_halves(block + kHeaderBytes / 2);
+      const __m256 scale = widen_halves(blocks[p]);
+      const __m256 minimum = widen_halves(blocks[p] + kHeaderBytes / 2);
 #pragma GCC unroll 4
       for (int64_t m = 0; m < rows; ++m) {
         const int64_t at = (first_row + m) * x.groups_per_row + g;
-        const __m256i group_dots =
-            block_dots(block + kHeaderBytes, x.group_values(first_row + m, g));
         const __m256 group_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scales[at]));
-        dots[m][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dots), group_scale, dots[m][p]);
+        dots[m][p] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(integer_dots[m][p]), group_scale, dots[m][p]);
         minima[m][p] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x.sums[at]), minima[m][p]);
       }
     }
@@ -206,8 +246,8 @@ template <int64_t rows, int64_t panels>
 }
 
 // Every row against a strip whose first `cols` features are written (the rest are padding):
-// tiles of kTileRows rows one panel at a time, then the rows left over against as many panels at
-// once as make four chains of multiply-adds, which hide each other's latency.
+// whole tiles, then the rows left over against as many panels at once as make four chains of
+// multiply-adds, which hide each other's latency.
 void rows_against_strip(const QuantizedRows& x, int64_t num_rows, const uint8_t* strip,
                         int64_t num_groups, const float* bias, float* out, int64_t out_stride,
                         int64_t cols) {
@@ -219,7 +259,9 @@ void rows_against_strip(const QuantizedRows& x, int64_t num_rows, const uint8_t*
     }
   };
   const int64_t whole_rows = num_rows - num_rows % kTileRows;
-  for (int64_t row = 0; row < whole_rows; row += kTileRows) run(tile<kTileRows, 1>, 1, row);
+  for (int64_t row = 0; row < whole_rows; row += kTileRows) {
+    run(tile<kTileRows, kTilePanels>, kTilePanels, row);
+  }
   switch (num_rows - whole_rows) {
     case 3: return run(tile<3, 1>, 1, whole_rows);
     case 2: return run(tile<2, 2>, 2, whole_rows);
