@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.engine.model_runner import available_memory
 
 GOOD_PROMPT = [5, 6, 7, 8, 9]
 
@@ -105,6 +108,35 @@ def test_engine_settings_are_checked(tiny_checkpoint):
         LLM(str(tiny_checkpoint("llama")), packed_weight_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(str(tiny_checkpoint("llama")), kv_cache_dtype="fp8")
+
+
+def test_a_kv_cache_beyond_the_machines_memory_is_refused_before_it_is_allocated(tiny_checkpoint):
+    """Allocated anyway, the cache's pages would be handed out lazily and the process killed
+    once they ran out; the check reads the memory available from /proc/meminfo."""
+    available = available_memory()
+    assert available is not None
+    too_much = f"{2 * available // 2**30}GiB"
+    with pytest.raises(ValueError, match=rf"KV cache \(kv_cache_memory '{too_much}'\).*available"):
+        LLM(str(tiny_checkpoint("llama")), kv_cache_memory=too_much)
+    blocks = 2 * available // 8192  # the tiny llama's blocks are 8 KiB
+    with pytest.raises(ValueError, match=rf"num_kv_blocks {blocks}\).*GiB available"):
+        LLM(str(tiny_checkpoint("llama")), num_kv_blocks=blocks)
+
+
+def test_a_gguf_tensor_in_a_type_that_cannot_be_loaded_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    # Two rows of two Q8_1 blocks (40 bytes each: a float32 scale and sum, 32 int8 values).
+    q8_1 = gguf.GGMLQuantizationType.Q8_1
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((2, 80), np.uint8), raw_dtype=q8_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"tensor 'blk\.0\.attn_q\.weight' is stored as Q8_1"):
+        LLM(str(path))
 
 
 def test_missing_model_files_are_named(tmp_path, tiny_checkpoint):

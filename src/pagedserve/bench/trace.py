@@ -33,7 +33,9 @@ class StepRecord:
 def kv_layout(engine: LLMEngine) -> KvLayout:
     runner = engine.runner
     return KvLayout(
-        bytes_per_token=runner.model.kv_cache_bytes_per_token(runner.kv_cache_dtype),
+        bytes_per_token=runner.model_config.kv_cache_bytes_per_token(
+            runner.kv_cache_dtype.itemsize
+        ),
         block_size=engine.block_manager.block_size,
         num_blocks=engine.block_manager.num_blocks,
         max_model_len=engine.max_model_len,

@@ -13,7 +13,8 @@ from pagedserve.engine.sampling_state import SamplingState
 from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
-from pagedserve.model.checkpoint import load_model, stored_weight_types
+from pagedserve.model.checkpoint import load_model, stored_weight_types, weights_bytes
+from pagedserve.model.config import ModelConfig
 from pagedserve.model.cpu_features import CpuFeatures
 from pagedserve.model.kernels import can_use_cpu_kernels, cpu_kernels_available
 from pagedserve.model.linear_method import PackedFormats, choose_formats
@@ -34,6 +35,38 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel reckons it can give without swapping (MemAvailable); None where
+    /proc/meminfo does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_memory(weights: int, kv_cache: int, config: EngineConfig) -> None:
+    """Refuses, before anything is allocated, a model whose weights (as loaded) and KV cache
+    cannot both fit in the memory this machine has available: allocated anyway, pages would be
+    handed out lazily and the process killed mid-request when they run out."""
+    available = available_memory()
+    if available is None or weights + kv_cache <= available:
+        return
+    gib = 2**30
+    kv_setting = (
+        f"num_kv_blocks {config.num_kv_blocks}"
+        if config.num_kv_blocks
+        else f"kv_cache_memory {config.kv_cache_memory!r}"
+    )
+    raise ValueError(
+        f"the model needs at least {weights / gib:.2f} GiB for its weights and "
+        f"{kv_cache / gib:.2f} GiB for the KV cache ({kv_setting}), but this machine has "
+        f"{available / gib:.2f} GiB available; lower --kv-cache-memory or serve a smaller model"
+    )
 
 
 def resolve_dtype(
@@ -64,6 +97,21 @@ class ModelRunner:
         kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels_available()
         self.dtype = resolve_dtype(config.dtype, self.device, kernels, CpuFeatures.host())
         self.block_size = config.block_size
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.kv_cache_dtype = (
+            self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        )
+        bytes_per_token = self.model_config.kv_cache_bytes_per_token(self.kv_cache_dtype.itemsize)
+        bytes_per_block = bytes_per_token * config.block_size
+        self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {config.kv_cache_memory!r} holds no block of "
+                f"{bytes_per_block} bytes"
+            )
+        self.kv_cache_bytes = self.num_blocks * bytes_per_block
+        if self.device.type == "cpu":
+            _check_memory(weights_bytes(model_dir, self.dtype), self.kv_cache_bytes, config)
         self.model = load_model(model_dir, self.dtype, self.device)
         # None: the linear weights are used as loaded, by F.linear.
         self.packed_weight_dtypes: PackedFormats | None = None
@@ -78,7 +126,6 @@ class ModelRunner:
                 "with the C++ kernels",
                 config.packed_weight_dtype,
             )
-        self.model_config = self.model.config
         self.row_argmax: RowArgmax = torch_row_argmax
         if self.packed_weight_dtypes is not None:  # float32 logits, with the C++ kernels
             self.row_argmax = torch.ops.pagedserve.row_argmax
@@ -87,18 +134,6 @@ class ModelRunner:
         )
         # Every token read in place, so that results are batch-invariant (AttentionBatch.build).
         self.prefill_in_place = self.decode_in_place and config.batch_invariant
-        self.kv_cache_dtype = (
-            self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
-        )
-        bytes_per_token = self.model.kv_cache_bytes_per_token(self.kv_cache_dtype)
-        bytes_per_block = bytes_per_token * config.block_size
-        self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
-        if self.num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory {config.kv_cache_memory!r} holds no block of "
-                f"{bytes_per_block} bytes"
-            )
-        self.kv_cache_bytes = self.num_blocks * bytes_per_block
         self.model.attach_kv_cache(self.num_blocks, config.block_size, self.kv_cache_dtype)
         self.sampling = SamplingState(self.device, self.model_config.vocab_size, eos_token_ids)
         if self.device.type == "cpu":

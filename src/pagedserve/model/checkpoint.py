@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,16 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Dec
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     return model.eval()
+
+
+def weights_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    """What the checkpoint's tensors take as dtype, from the files' headers only."""
+    total = 0
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                total += math.prod(handle.get_slice(name).get_shape())
+    return total * dtype.itemsize
 
 
 def stored_weight_types(model_dir: Path) -> tuple[frozenset[str], frozenset[str]]:

@@ -43,6 +43,10 @@ class ModelConfig:
     # config.json as read, for what transformers computes from it (RoPE's frequencies).
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    def kv_cache_bytes_per_token(self, itemsize: int) -> int:
+        """One token's keys and values in every layer, each element itemsize bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
         path = model_dir / "config.json"

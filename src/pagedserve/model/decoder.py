@@ -137,10 +137,6 @@ class DecoderModel(nn.Module):
                 weight for layer in self.layers for weight in layer.decode_weights()
             ]
 
-    def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
-        config = self.config
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
-
     def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copies whole KV blocks in every layer (copy on write of blocks shared by samples)."""
         for layer in self.layers:

@@ -148,6 +148,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_tensor_types(gguf_path)
     folder, name = str(gguf_path.parent), gguf_path.name
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -162,6 +163,26 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if not (key == "lm_head.weight" and model.config.tie_word_embeddings)
     }
     save_file(weights, str(out_dir / "model.safetensors"))
+
+
+def _check_tensor_types(gguf_path: Path) -> None:
+    """Every tensor in a type that gguf can read back as numbers, else an error naming the first
+    tensor that is not and its type (rather than transformers' error from deep in its loader)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import _type_traits
+
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    try:
+        tensors = GGUFReader(gguf_path).tensors
+    except ValueError as error:  # e.g. a type number this gguf does not know
+        raise ValueError(f"cannot read {gguf_path}: {error}") from error
+    for tensor in tensors:
+        if tensor.tensor_type not in readable:
+            raise ValueError(
+                f"{gguf_path}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, "
+                f"a GGUF type pagedserve cannot load; supported: "
+                f"{', '.join(sorted(t.name for t in readable))}"
+            )
 
 
 @dataclass(frozen=True)
