@@ -37,7 +37,17 @@ def default_model_dir() -> Path:
 
 
 def _tiny_config(architecture: str, vocab_size: int):
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     if architecture == "llama":
         return LlamaConfig(vocab_size=vocab_size, **_TINY_SHAPE)
@@ -52,6 +62,53 @@ def _tiny_config(architecture: str, vocab_size: int):
         return Qwen3Config(vocab_size=vocab_size, head_dim=24, rope_theta=1e6, **_TINY_SHAPE)
     if architecture in ROPE_VARIANTS:
         return _rope_variant_config(architecture, vocab_size)
+    if architecture == "gemma2":
+        # Gemma 2's shape of model: (1 + w) norms before and after attention and MLP, GeGLU,
+        # scaled embeddings, capped attention scores and logits, and sliding layers (window 48,
+        # shorter than the longer prompts) alternating with global ones.
+        return Gemma2Config(
+            vocab_size=vocab_size,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=48,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=8.0,
+            **_TINY_SHAPE,
+        )
+    if architecture == "gemma3":
+        # Gemma 3 (text): Gemma 2's layers without the caps, with q and k norms, and RoPE of its
+        # own per layer type: local layers at base 10,000, global ones at 1,000,000 with
+        # linear scaling 8, as the 4B and larger models have it.
+        return Gemma3TextConfig(
+            vocab_size=vocab_size,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=48,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+            **_TINY_SHAPE,
+        )
+    if architecture == "mixtral":
+        # Four experts, two per token, in every layer.
+        return MixtralConfig(
+            vocab_size=vocab_size, num_local_experts=4, num_experts_per_tok=2, **_TINY_SHAPE
+        )
+    if architecture == "qwen3-moe":
+        # Qwen3-30B-A3B's shape of config: q and k norms, renormalised top-k weights; the second
+        # layer dense (mlp_only_layers), as a config may ask.
+        return Qwen3MoeConfig(
+            vocab_size=vocab_size,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            **_TINY_SHAPE,
+        )
     if architecture == "phi3":
         # Phi-3 mini 128k's shape of config: fused projections in the checkpoint, longrope, and
         # (as the 4k model has) a sliding window, shorter than the longer prompts.

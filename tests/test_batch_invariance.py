@@ -76,6 +76,22 @@ def test_a_request_is_bit_identical_whatever_shares_its_batch(
         assert _signature(siblings.outputs[0]) == alone
 
 
+@pytest.mark.parametrize("architecture", ["qwen3-moe", "gemma3"])
+def test_experts_and_per_layer_windows_keep_a_request_bit_identical(tiny_checkpoint, architecture):
+    """A token's routing to its experts, and Gemma 3's sliding and global layers, depend on its
+    sequence alone: chunked, beside others, preempted."""
+    llm = LLM(
+        str(tiny_checkpoint(architecture)),
+        max_num_batched_tokens=32,
+        num_kv_blocks=20,
+    )
+    for params in (GREEDY, SEEDED):
+        alone = _signature(llm.generate([TARGET], params)[0].outputs[0])
+        for size, place in BATCHES:
+            assert _signature(_in_batch(llm, params, size, place)) == alone, (size, place)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     process = ServerProcess("--model", str(tiny_checkpoint("llama")))  # every engine default

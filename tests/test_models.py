@@ -1,6 +1,6 @@
-"""The models people bring (issue 30): RoPE variants from the config, token-exact against
-transformers' own generate on each prompt alone, in float32; hub names from a local cache; a chat
-template of one's own."""
+"""The models people bring (issue 30): RoPE variants from the config, Phi-3, Gemma 2 and 3, and
+the mixtures of experts Mixtral and Qwen3-MoE, token-exact against transformers' own generate on
+each prompt alone, in float32; hub names from a local cache; a chat template of one's own."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROPE_VARIANTS, greedy_references
-from transformers import LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.config import ModelConfig
@@ -62,7 +62,54 @@ def test_phi3_matches_transformers(tiny_checkpoint, references):
     assert _generate(llm) == references("phi3")
 
 
-@pytest.mark.parametrize("variant", ["llama-longrope", "llama3", "phi3"])
+def test_gemma2_matches_transformers(tiny_checkpoint, references):
+    """Gemma 2: sandwich norms with (1 + w) weights, GeGLU, scaled embeddings, capped attention
+    scores and logits, sliding layers alternating with global ones; on the C++ kernels (packed
+    weights, norms) where they compute the same, the attention in torch."""
+    llm = LLM(str(tiny_checkpoint("gemma2")), dtype="float32")
+    runner = llm.engine.runner
+    config = runner.model_config
+    assert config.layer_types == ("sliding_attention", "full_attention")
+    assert runner.packed_weight_dtypes is not None and not runner.decode_in_place
+    assert _generate(llm) == references("gemma2")
+    # Capping the logits leaves the greedy token alone: the log-probabilities show it.
+    prompt = _prompts()[2]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
+    token = out.outputs[0].token_ids[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("gemma2"), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    expected = torch.log_softmax(logits, dim=-1)[token].item()
+    assert out.outputs[0].logprobs[0][token].logprob == pytest.approx(expected, abs=1e-4)
+
+
+def test_gemma3_matches_transformers(tiny_checkpoint, references):
+    """Gemma 3 (text): q and k norms with (1 + w) weights, RoPE per layer type, sliding layers
+    beside global ones; its attention read in place by the C++ kernel, each layer with its own
+    window and rotation."""
+    llm = LLM(str(tiny_checkpoint("gemma3")), dtype="float32")
+    runner = llm.engine.runner
+    assert runner.model_config.rope_type == "linear" and runner.decode_in_place
+    assert sorted(runner.model.rotary) == ["full_attention", "sliding_attention"]
+    assert _generate(llm) == references("gemma3")
+
+
+@pytest.mark.parametrize("architecture", ["mixtral", "qwen3-moe"])
+def test_mixtures_of_experts_match_transformers(architecture, tiny_checkpoint, references):
+    """Mixtral (its w1/w2/w3 experts) and Qwen3-MoE (q and k norms, a dense layer among the
+    sparse ones): top-2 of 4 experts, each expert's maps packed for the C++ kernels."""
+    llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32")
+    runner = llm.engine.runner
+    assert runner.model_config.num_experts == 4 and runner.packed_weight_dtypes is not None
+    experts = runner.model.layers[0].mlp.experts
+    assert all(expert.gate_up_proj.method.name == "float32" for expert in experts)
+    assert _generate(llm) == references(architecture)
+
+
+@pytest.mark.parametrize(
+    "variant", ["llama-longrope", "llama3", "phi3", "gemma2", "gemma3", "mixtral"]
+)
 def test_rope_variants_match_transformers_chunked_and_preempted(
     variant, tiny_checkpoint, references
 ):

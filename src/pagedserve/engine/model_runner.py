@@ -129,8 +129,12 @@ class ModelRunner:
         self.row_argmax: RowArgmax = torch_row_argmax
         if self.packed_weight_dtypes is not None:  # float32 logits, with the C++ kernels
             self.row_argmax = torch.ops.pagedserve.row_argmax
+        # The C++ attention computes a plain softmax: not Gemma 2's capped scores.
         self.decode_in_place = (
-            config.decode_kernel and self.device.type == "cpu" and cpu_kernels_available()
+            config.decode_kernel
+            and self.device.type == "cpu"
+            and self.model_config.attn_logit_softcap is None
+            and cpu_kernels_available()
         )
         # Every token read in place, so that results are batch-invariant (AttentionBatch.build).
         self.prefill_in_place = self.decode_in_place and config.batch_invariant
@@ -173,7 +177,7 @@ class ModelRunner:
         query_lens, context_lens, block_tables = [], [], []
         sampling_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
-        long_after = self.model.rotary.long_after  # longrope's original context, else None
+        long_after = self.model.long_after  # longrope's original context, else None
         long_prompts: list[bool] = []
         for seq, num_new in batch.entries:
             start = seq.num_computed_tokens

@@ -48,6 +48,11 @@ class AttentionGroup:
     # Only for decodes read in place by the C++ kernel, which need no mask: [sequences] tokens
     # in each sequence's cache, the new one included.
     context_lens: torch.Tensor | None = None
+    # attn_mask within the sliding window too, for the layers that have one (None: no window).
+    window_mask: torch.Tensor | None = None
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor | None:
+        return self.attn_mask if sliding_window is None else self.window_mask
 
     @property
     def in_place(self) -> bool:
@@ -73,19 +78,23 @@ class AttentionGroup:
         max_query_len = int(q_lens.max())
         query_positions = first_positions[:, None] + torch.arange(max_query_len, device=device)
         key_positions = torch.arange(tables.shape[1] * block_size, device=device)
-        allowed = key_positions <= query_positions[:, :, None]
-        if sliding_window is not None:
-            allowed &= key_positions > query_positions[:, :, None] - sliding_window
+        causal = key_positions <= query_positions[:, :, None]
         # Padding rows of the query grid attend to everything so that softmax stays finite.
-        padding_rows = torch.arange(max_query_len, device=device) >= q_lens[:, None]
-        allowed |= padding_rows[:, :, None]
+        padding_rows = (torch.arange(max_query_len, device=device) >= q_lens[:, None])[:, :, None]
+        window_mask = None
+        if sliding_window is not None:
+            in_window = causal & (key_positions > query_positions[:, :, None] - sliding_window)
+            window_mask = (in_window | padding_rows).unsqueeze(1)
         query_slots = None
         if max_query_len > 1:
             seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens)
             starts = torch.cumsum(q_lens, 0) - q_lens
             offsets = torch.arange(len(seq_of_token), device=device) - starts[seq_of_token]
             query_slots = seq_of_token * max_query_len + offsets
-        return cls(token_index, tables, query_slots, allowed.unsqueeze(1), max_query_len)
+        attn_mask = (causal | padding_rows).unsqueeze(1)
+        return cls(
+            token_index, tables, query_slots, attn_mask, max_query_len, window_mask=window_mask
+        )
 
 
 @dataclass
@@ -207,12 +216,16 @@ class PagedAttention(CustomOp):
     output product. The C++ kernel (csrc/rotary_cache.cpp) rotates and writes the cache in one
     call, for models without query and key norms."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.layer_window(layer)
+        # SDPA takes None as head_dim ** -0.5, computed its own way.
+        self.sdpa_scale = config.attention_scale
+        self.scale = config.attention_scale or self.head_dim**-0.5
+        self.softcap = config.attn_logit_softcap
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(
@@ -289,30 +302,66 @@ class PagedAttention(CustomOp):
                 self.v_cache,
                 group.block_tables,
                 group.context_lens,
-                self.head_dim**-0.5,
+                self.scale,
                 self.sliding_window or 0,
             ).to(q.dtype)
         num_seqs = group.block_tables.shape[0]
         keys, values = self._gather(self.k_cache, group), self._gather(self.v_cache, group)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
+        mask = group.mask(self.sliding_window)
+        if self.softcap is not None:
+            return self._attend_softcapped(q, keys, values, mask, group)
         if group.query_slots is None:
             # One query per sequence: each KV head's query heads become its query rows, so SDPA
             # needs no GQA expansion of the keys.
             group_size = self.num_heads // self.num_kv_heads
             rows = q.view(num_seqs, self.num_kv_heads, group_size, self.head_dim)
-            out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=group.attn_mask)
+            out = F.scaled_dot_product_attention(
+                rows, keys, values, attn_mask=mask, scale=self.sdpa_scale
+            )
             return out.reshape(num_seqs, self.num_heads, self.head_dim)
-        grid = q.new_zeros(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
-        grid.index_copy_(0, group.query_slots, q)
-        grid = grid.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
-            grid.transpose(1, 2),
+            self._query_grid(q, group),
             keys,
             values,
-            attn_mask=group.attn_mask,
+            attn_mask=mask,
+            scale=self.sdpa_scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         ).transpose(1, 2)
         return out.reshape(-1, self.num_heads, self.head_dim)[group.query_slots]
+
+    def _query_grid(self, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """[sequences, heads, longest query, dim]: each sequence's queries, zero-padded."""
+        num_seqs = group.block_tables.shape[0]
+        grid = q.new_zeros(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
+        grid.index_copy_(0, group.query_slots, q)
+        return grid.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim).transpose(
+            1, 2
+        )
+
+    def _attend_softcapped(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        group: AttentionGroup,
+    ) -> torch.Tensor:
+        """Attention whose scores are capped (Gemma 2): cap * tanh(q.k * scale / cap), then the
+        mask and a float32 softmax, which SDPA cannot do."""
+        if group.query_slots is None:
+            grid = q.view(-1, 1, self.num_heads, self.head_dim).transpose(1, 2)
+        else:
+            grid = self._query_grid(q, group)
+        group_size = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(group_size, dim=1)
+        values = values.repeat_interleave(group_size, dim=1)
+        scores = grid @ keys.transpose(2, 3) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = (weights @ values).transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+        return out if group.query_slots is None else out[group.query_slots]
 
     def _gather(self, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         """[seqs, kv_heads, keys, dim] copy of the group's cached blocks.

@@ -14,12 +14,20 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import DecoderModel
 from pagedserve.model.source import gguf_tensor_types
 
-# Checkpoint projections that DecoderModel keeps fused in one matrix, in concatenation order.
+# Checkpoint projections that DecoderModel keeps fused in one matrix, in concatenation order, by
+# the last part of their module's name (an expert's MLP is fused as the dense one is).
 _FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
 }
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# Mixtral's names for its router and experts' maps, and the Qwen-style names used here.
+_MIXTRAL_NAMES = (
+    (re.compile(r"^block_sparse_moe\.gate$"), "mlp.gate"),
+    (re.compile(r"^block_sparse_moe\.experts\.(\d+)\.w1$"), r"mlp.experts.\1.gate_proj"),
+    (re.compile(r"^block_sparse_moe\.experts\.(\d+)\.w2$"), r"mlp.experts.\1.down_proj"),
+    (re.compile(r"^block_sparse_moe\.experts\.(\d+)\.w3$"), r"mlp.experts.\1.up_proj"),
+)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> DecoderModel:
@@ -87,6 +95,12 @@ def _remap(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
     state: dict[str, torch.Tensor] = {}
     fused_parts: dict[str, dict[str, torch.Tensor]] = {}
     part_owner = {part: fused for fused, parts in _FUSED.items() for part in parts}
+
+    def fused_module(module: str) -> str | None:
+        prefix, _, last = module.rpartition(".")
+        fused = part_owner.get(last)
+        return None if fused is None else f"{prefix}.{fused}".lstrip(".")
+
     for name, tensor in tensors.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
@@ -97,17 +111,24 @@ def _remap(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
             state[_top_level_name(name)] = tensor
             continue
         layer, module, kind = match.groups()
-        fused = part_owner.get(module)
+        for pattern, replacement in _MIXTRAL_NAMES:
+            module = pattern.sub(replacement, module)
+        fused = fused_module(module)
         if fused is None:
             state[f"layers.{layer}.{module}.{kind}"] = tensor
         else:
             fused_parts.setdefault(f"layers.{layer}.{fused}.{kind}", {})[module] = tensor
     for key, parts in fused_parts.items():
-        fused = key.split(".", 2)[2].rsplit(".", 1)[0]
-        order = _FUSED[fused]
+        module = key.split(".", 2)[2].rsplit(".", 1)[0]
+        prefix, _, fused = module.rpartition(".")
+        order = [f"{prefix}.{part}".lstrip(".") for part in _FUSED[fused]]
         if set(parts) != set(order):
             raise ValueError(f"checkpoint has only {sorted(parts)} of the parts of {key}")
         state[key] = torch.cat([parts[part] for part in order], dim=0)
+    if config.norm_weight_offset:  # Gemma's norms multiply by (offset + weight)
+        for key in state:
+            if key.endswith("norm.weight"):
+                state[key] = state[key].float() + config.norm_weight_offset
     if config.tie_word_embeddings and "embed_tokens" in state:
         state["lm_head.weight"] = state["embed_tokens"]  # the same parameter in DecoderModel
     return state

@@ -14,6 +14,10 @@ MODEL_TYPES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 # RoPE types whose angles transformers' own functions compute (transformers.modeling_rope_utils).
@@ -40,8 +44,48 @@ class ModelConfig:
     qk_norm: bool
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    # Per layer, "sliding_attention" (attending over the last sliding_window positions) or
+    # "full_attention", as transformers names them.
+    layer_types: tuple[str, ...] = ()
+    # The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU).
+    mlp_activation: str = "silu"
+    # Gemma's norms: (1 + weight) times the normalised row, folded into the weight at load;
+    # each layer's attention and MLP outputs normalised before their residual add.
+    norm_weight_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: float | None = None  # the embeddings are multiplied by it (Gemma: sqrt(hidden))
+    attention_scale: float | None = None  # of q.k; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores become cap * tanh(score / cap)
+    final_logit_softcap: float | None = None  # the same for the logits
+    # RoPE settings per layer type (Gemma 3: local and global layers rotate differently).
+    rope_per_layer_type: bool = False
+    # Mixture of experts: per layer, whether its MLP is num_experts experts (each a gated MLP of
+    # moe_intermediate_size) of which each token takes its router's top num_experts_per_tok,
+    # weighted by their softmax probabilities (renormalised over those when norm_topk_prob).
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     # config.json as read, for what transformers computes from it (RoPE's frequencies).
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer, None where it attends over the whole context."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer is Llama's (SwiGLU, two norms, plain softmax over one window for
+        all layers, q.k scaled by head_dim ** -0.5): what csrc/decode_layers.cpp computes."""
+        return (
+            self.mlp_activation == "silu"
+            and not self.sandwich_norms
+            and self.attn_logit_softcap is None
+            and self.attention_scale is None
+            and len(set(self.layer_types)) == 1
+            and not any(self.moe_layers)
+        )
 
     def kv_cache_bytes_per_token(self, itemsize: int) -> int:
         """One token's keys and values in every layer, each element itemsize bytes."""
@@ -65,13 +109,16 @@ class ModelConfig:
             )
         num_heads = raw["num_attention_heads"]
         is_qwen2 = architecture == "Qwen2ForCausalLM"
+        is_gemma = architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         attention_bias = bool(raw.get("attention_bias") or False)
+        sliding_window = _sliding_window(raw, architecture)
+        num_layers = raw["num_hidden_layers"]
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
@@ -83,9 +130,20 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             output_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias") or False),
-            qk_norm=architecture == "Qwen3ForCausalLM",
-            sliding_window=_sliding_window(raw, architecture),
+            qk_norm=architecture
+            in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            sliding_window=sliding_window,
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+            layer_types=_layer_types(raw, num_layers, sliding_window, is_gemma),
+            mlp_activation=_mlp_activation(raw, is_gemma),
+            norm_weight_offset=1.0 if is_gemma else 0.0,
+            sandwich_norms=is_gemma,
+            embed_scale=raw["hidden_size"] ** 0.5 if is_gemma else None,
+            attention_scale=raw["query_pre_attn_scalar"] ** -0.5 if is_gemma else None,
+            attn_logit_softcap=raw.get("attn_logit_softcapping") if is_gemma else None,
+            final_logit_softcap=raw.get("final_logit_softcapping") if is_gemma else None,
+            rope_per_layer_type=_rope_per_layer_type(raw),
+            **_experts(raw, architecture, num_layers),
             raw=raw,
         )
 
@@ -98,9 +156,19 @@ class ModelConfig:
         return AutoConfig.for_model(model_type, **settings)
 
 
+def _rope_per_layer_type(raw: dict) -> bool:
+    rope = raw.get("rope_parameters") or {}
+    return bool(rope) and all(isinstance(settings, dict) for settings in rope.values())
+
+
 def _rope_type(raw: dict) -> str:
+    """The RoPE type, of the global layers where each layer type has its own settings."""
     # transformers 5 nests RoPE settings in rope_parameters; older configs call them rope_scaling.
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if _rope_per_layer_type(raw):
+        for settings in rope.values():
+            _rope_type({"rope_parameters": settings})
+        rope = rope.get("full_attention", next(iter(rope.values())))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -115,8 +183,62 @@ def _rope_type(raw: dict) -> str:
     return rope_type
 
 
+def _layer_types(
+    raw: dict, num_layers: int, sliding_window: int | None, is_gemma: bool
+) -> tuple[str, ...]:
+    if sliding_window is None:
+        return ("full_attention",) * num_layers
+    if raw.get("layer_types"):
+        return tuple(raw["layer_types"])
+    if is_gemma:  # Gemma 2 alternates, starting with a sliding layer
+        return tuple(("sliding_attention", "full_attention")[i % 2] for i in range(num_layers))
+    return ("sliding_attention",) * num_layers
+
+
+# The activations of the gated MLP, by the names configs give them.
+_MLP_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _mlp_activation(raw: dict, is_gemma: bool) -> str:
+    name = (raw.get("hidden_activation") if is_gemma else None) or raw.get("hidden_act", "silu")
+    if name not in _MLP_ACTIVATIONS:
+        raise ValueError(
+            f"unsupported hidden activation {name!r}; pagedserve supports "
+            f"{', '.join(_MLP_ACTIVATIONS)}"
+        )
+    return _MLP_ACTIVATIONS[name]
+
+
+def _experts(raw: dict, architecture: str, num_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields: Mixtral's in every layer, Qwen3-MoE's in every
+    decoder_sparse_step-th layer outside mlp_only_layers."""
+    if architecture == "MixtralForCausalLM":
+        moe_layers, norm_topk_prob = (True,) * num_layers, True
+        intermediate_size = raw["intermediate_size"]
+    elif architecture == "Qwen3MoeForCausalLM":
+        step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+        moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+        norm_topk_prob = bool(raw.get("norm_topk_prob", False))
+        intermediate_size = raw["moe_intermediate_size"]
+    else:
+        return {}
+    return dict(
+        moe_layers=moe_layers,
+        num_experts=raw.get("num_local_experts") or raw["num_experts"],
+        num_experts_per_tok=raw["num_experts_per_tok"],
+        moe_intermediate_size=intermediate_size,
+        norm_topk_prob=norm_topk_prob,
+    )
+
+
 def _sliding_window(raw: dict, architecture: str) -> int | None:
-    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):  # whenever the config sets one
+    if architecture in (
+        "MistralForCausalLM",
+        "Phi3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "MixtralForCausalLM",
+    ):
         return raw.get("sliding_window")
     if raw.get("use_sliding_window"):
         raise ValueError(f"{architecture} with use_sliding_window=true is not supported")

@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by the Llama, Mistral, Qwen2 and Qwen3 families."""
+"""The decoder-only transformer shared by the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma and
+mixture-of-experts (Mixtral, Qwen3-MoE) families."""
 
 from __future__ import annotations
 
@@ -9,18 +10,40 @@ from torch import nn
 from pagedserve.model.attention import AttentionBatch, AttentionGroup, PagedAttention
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.custom_op import CustomOp
-from pagedserve.model.layers import Linear, RMSNorm, SwiGLU
+from pagedserve.model.layers import GatedMLP, Linear, RMSNorm, SparseMoE
 from pagedserve.model.linear_method import PACKED_FORMATS, PackedFormats
 from pagedserve.model.rotary import RotaryAngles, RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = PagedAttention(config, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps, dtype)
+        # The key of this layer's angles in DecoderModel.rotary.
+        self.rotary_kind = config.layer_types[layer] if config.rope_per_layer_type else "all"
+        self.self_attn = PagedAttention(config, layer, dtype)
+        self.post_attention_layernorm = RMSNorm(size, eps, dtype)
+        if config.moe_layers and config.moe_layers[layer]:
+            self.mlp = SparseMoE(
+                size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+                dtype,
+                config.mlp_activation,
+            )
+        else:
+            self.mlp = GatedMLP(
+                size, config.intermediate_size, config.mlp_bias, dtype, config.mlp_activation
+            )
+        # With sandwich norms (Gemma), post_attention_layernorm normalises the attention's output
+        # before its residual add, and these two play its part for the MLP.
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, dtype)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, dtype)
 
     def decode_weights(self) -> list[torch.Tensor | None]:
         """This layer's weights in the order csrc/decode_layers.cpp takes them: the two norms',
@@ -50,8 +73,12 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, angles, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        if self.pre_feedforward_layernorm is None:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden = self.post_attention_layernorm(hidden)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class DecoderModel(nn.Module):
@@ -61,12 +88,18 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layer, dtype) for layer in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         if config.tie_word_embeddings:  # the logits' product reads the embeddings
             self.lm_head.weight = self.embed_tokens
-        self.rotary = RotaryEmbedding.from_config(config, dtype)
+        # One per layer type where each has its own RoPE (Gemma 3), else one for every layer.
+        kinds = sorted(set(config.layer_types)) if config.rope_per_layer_type else ["all"]
+        self.rotary = nn.ModuleDict(
+            {kind: RotaryEmbedding.from_config(config, dtype, kind) for kind in kinds}
+        )
         # Set by use_cpu_kernels where every layer runs its C++ kernels: the weights of the op
         # that runs a decode-only step's layers in one call (csrc/decode_layers.cpp).
         self.decode_weights: list[torch.Tensor | None] | None = None
@@ -82,13 +115,17 @@ class DecoderModel(nn.Module):
         """input_ids: [tokens], every scheduled token of the step packed together. long_prompts:
         see RotaryEmbedding.forward (longrope only)."""
         hidden, residual = F.embedding(input_ids, self.embed_tokens), None
-        angles = self.rotary(batch.positions, long_prompts)
+        if self.config.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
+        angles = {
+            kind: rotary(batch.positions, long_prompts) for kind, rotary in self.rotary.items()
+        }
         decodes = batch.in_place_decodes
         if self.decode_weights is not None and decodes is not None:
-            hidden, residual = self._decode_in_one_call(hidden, angles, batch, decodes)
+            hidden, residual = self._decode_in_one_call(hidden, angles["all"], batch, decodes)
         else:
             for layer in self.layers:
-                hidden, residual = layer(hidden, residual, angles, batch)
+                hidden, residual = layer(hidden, residual, angles[layer.rotary_kind], batch)
         return self.norm(hidden, residual)[0]
 
     def _decode_in_one_call(
@@ -114,12 +151,19 @@ class DecoderModel(nn.Module):
             attention.num_heads,
             attention.num_kv_heads,
             self.config.rms_norm_eps,
-            attention.head_dim**-0.5,
+            attention.scale,
             attention.sliding_window or 0,
         )
 
+    @property
+    def long_after(self) -> int | None:
+        """longrope's original context (one RoPE for every layer), else None."""
+        return next(iter(self.rotary.values())).long_after
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def use_cpu_kernels(self, formats: PackedFormats) -> None:
         """Packs every linear map's weight for the C++ product, in formats.linear_maps (the
@@ -132,7 +176,9 @@ class DecoderModel(nn.Module):
                 module.use_method(PACKED_FORMATS[packed])
             elif isinstance(module, CustomOp):
                 module.use_cpu_kernel()
-        if all(layer.self_attn.uses_cpu_kernel for layer in self.layers):
+        if self.config.llama_layers and all(
+            layer.self_attn.uses_cpu_kernel for layer in self.layers
+        ):
             self.decode_weights = [
                 weight for layer in self.layers for weight in layer.decode_weights()
             ]

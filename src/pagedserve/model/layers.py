@@ -1,4 +1,5 @@
-"""The small building blocks of a decoder layer: linear maps, RMSNorm, SwiGLU."""
+"""The small building blocks of a decoder layer: linear maps, RMSNorm, the gated MLP and its
+mixture of experts."""
 
 from __future__ import annotations
 
@@ -67,14 +68,73 @@ class SiluAndMul(CustomOp):
         return torch.ops.pagedserve.silu_and_mul(gate_up)
 
 
-class SwiGLU(nn.Module):
-    """The gated MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one product."""
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, tanh approximation) * up, of the two halves of [..., 2 * d] (Gemma's GeGLU)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused into one product: SwiGLU (silu) or
+    GeGLU (gelu_tanh)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        activation: str = "silu",
+    ):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul() if activation == "silu" else GeluTanhAndMul()
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SparseMoE(nn.Module):
+    """A mixture of gated-MLP experts. The router picks each token's top_k experts; their outputs,
+    weighted by the router's softmax probabilities (renormalised over the top_k where asked), are
+    summed in the order of the experts. Tokens are grouped per expert by one sort, and each
+    expert with tokens runs once on all of them: a loop over the experts, none over tokens.
+    The router's and each expert's maps are Linears, packed for the C++ kernels as a dense
+    MLP's are, so that a token's routing and result never depend on its batch."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        dtype: torch.dtype,
+        activation: str = "silu",
+    ):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = Linear(hidden_size, num_experts, False, dtype)
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden_size, intermediate_size, False, dtype, activation)
+            for _ in range(num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probabilities = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        # (token, expert) pairs sorted by expert, each expert's tokens in order.
+        order = torch.argsort(chosen.flatten(), stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
+        tokens = (order // self.top_k).split(counts)
+        pair_weights = weights.to(x.dtype).flatten()[order].split(counts)
+        out = torch.zeros_like(x)
+        for expert, rows, row_weights in zip(self.experts, tokens, pair_weights, strict=True):
+            if len(rows):
+                out.index_add_(0, rows, expert(x[rows]) * row_weights[:, None])
+        return out

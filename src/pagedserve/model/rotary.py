@@ -64,17 +64,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (angles.sin() * scaling).to(dtype), persistent=False)
 
     @classmethod
-    def from_config(cls, config: ModelConfig, dtype: torch.dtype) -> RotaryEmbedding:
-        """The config's RoPE, with transformers' frequencies and attention scaling."""
+    def from_config(
+        cls, config: ModelConfig, dtype: torch.dtype, layer_type: str = "all"
+    ) -> RotaryEmbedding:
+        """The config's RoPE, with transformers' frequencies and attention scaling; for a model
+        whose layer types each have their own (Gemma 3), that of layer_type (else "all")."""
         hf_config = config.transformers_config()
         max_positions = config.max_position_embeddings
-        if config.rope_type == "default":
-            theta = hf_config.rope_parameters["rope_theta"]
+        parameters, by_type, rope_type = hf_config.rope_parameters, {}, config.rope_type
+        if layer_type != "all":
+            parameters, by_type = parameters[layer_type], {"layer_type": layer_type}
+            rope_type = parameters.get("rope_type", "default")
+        if rope_type == "default":
+            theta = parameters["rope_theta"]
             return cls(default_frequencies(config.head_dim, theta), max_positions, dtype)
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        compute = ROPE_INIT_FUNCTIONS[config.rope_type]
-        inv_freq, scaling = compute(hf_config)
+        compute = ROPE_INIT_FUNCTIONS[rope_type]
+        inv_freq, scaling = compute(hf_config, **by_type)
         if config.rope_type != "longrope":
             return cls(inv_freq, max_positions, dtype, scaling)
         long_after = hf_config.rope_parameters["original_max_position_embeddings"]
