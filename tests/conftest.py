@@ -26,6 +26,9 @@ _TINY_SHAPE = dict(
     # Wider weights than the default 0.02 give logits whose top two rarely tie under float noise.
     initializer_range=0.2,
 )
+# Gemma's own settings: q.k scaled by 24 ** -0.5 rather than head_dim's, a window of 48 (shorter
+# than the longer prompts) on its sliding layers.
+_GEMMA_SHAPE = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=48, **_TINY_SHAPE)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -68,12 +71,9 @@ def _tiny_config(architecture: str, vocab_size: int):
         # shorter than the longer prompts) alternating with global ones.
         return Gemma2Config(
             vocab_size=vocab_size,
-            head_dim=16,
-            query_pre_attn_scalar=24,
-            sliding_window=48,
             attn_logit_softcapping=5.0,
             final_logit_softcapping=8.0,
-            **_TINY_SHAPE,
+            **_GEMMA_SHAPE,
         )
     if architecture == "gemma3":
         # Gemma 3 (text): Gemma 2's layers without the caps, with q and k norms, and RoPE of its
@@ -81,15 +81,12 @@ def _tiny_config(architecture: str, vocab_size: int):
         # linear scaling 8, as the 4B and larger models have it.
         return Gemma3TextConfig(
             vocab_size=vocab_size,
-            head_dim=16,
-            query_pre_attn_scalar=24,
-            sliding_window=48,
             layer_types=["sliding_attention", "full_attention"],
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
             },
-            **_TINY_SHAPE,
+            **_GEMMA_SHAPE,
         )
     if architecture == "mixtral":
         # Four experts, two per token, in every layer.
@@ -107,6 +104,16 @@ def _tiny_config(architecture: str, vocab_size: int):
             moe_intermediate_size=48,
             norm_topk_prob=True,
             mlp_only_layers=[1],
+            **_TINY_SHAPE,
+        )
+    if architecture == "phi4-mini":
+        # Phi-4-mini's: RoPE over the first 3/4 of each head only, longrope, tied embeddings.
+        return Phi3Config(
+            vocab_size=vocab_size,
+            partial_rotary_factor=0.75,
+            tie_word_embeddings=True,
+            rope_scaling=_rope_variant_scaling("llama-longrope", rotated_fraction=0.75),
+            pad_token_id=0,
             **_TINY_SHAPE,
         )
     if architecture == "phi3":
@@ -141,8 +148,9 @@ def _rope_variant_config(variant: str, vocab_size: int):
     )
 
 
-def _rope_variant_scaling(variant: str) -> dict:
-    half_head = _TINY_SHAPE["hidden_size"] // _TINY_SHAPE["num_attention_heads"] // 2
+def _rope_variant_scaling(variant: str, rotated_fraction: float = 1.0) -> dict:
+    head_dim = _TINY_SHAPE["hidden_size"] // _TINY_SHAPE["num_attention_heads"]
+    half_head = int(head_dim * rotated_fraction) // 2  # longrope: a factor per frequency
     original = {"original_max_position_embeddings": _ORIGINAL_CONTEXT}
     return {
         "llama-linear": {"rope_type": "linear", "factor": 4.0},

@@ -62,6 +62,13 @@ def test_phi3_matches_transformers(tiny_checkpoint, references):
     assert _generate(llm) == references("phi3")
 
 
+def test_phi4_mini_rotates_part_of_each_head_as_transformers_does(tiny_checkpoint, references):
+    """Phi-4-mini: partial_rotary_factor 0.75 (RoPE over 12 of 16 dimensions) with longrope."""
+    llm = LLM(str(tiny_checkpoint("phi4-mini")), dtype="float32")
+    assert llm.engine.runner.model_config.rotary_dim == 12
+    assert _generate(llm) == references("phi4-mini")
+
+
 def test_gemma2_matches_transformers(tiny_checkpoint, references):
     """Gemma 2: sandwich norms with (1 + w) weights, GeGLU, scaled embeddings, capped attention
     scores and logits, sliding layers alternating with global ones; on the C++ kernels (packed
@@ -150,8 +157,8 @@ def test_an_unknown_rope_type_is_refused_by_name():
     with pytest.raises(ValueError, match="unsupported rope_type 'mrope'; pagedserve supports"):
         ModelConfig.from_dict(raw)
     raw["rope_scaling"] = None
-    raw["partial_rotary_factor"] = 0.5
-    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.5"):
+    raw["partial_rotary_factor"] = 0.0625  # one of a head's 16 dimensions: no pair to rotate
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.0625: it must rotate an even"):
         ModelConfig.from_dict(raw)
 
 

@@ -214,7 +214,7 @@ class PagedAttention(CustomOp):
     """The attention block: the QKV product, the rotation of query and key heads (after their
     norms, where the model has them), the cache write, attention over the paged cache and the
     output product. The C++ kernel (csrc/rotary_cache.cpp) rotates and writes the cache in one
-    call, for models without query and key norms."""
+    call, for models without query and key norms that rotate whole heads."""
 
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
@@ -226,6 +226,7 @@ class PagedAttention(CustomOp):
         self.sdpa_scale = config.attention_scale
         self.scale = config.attention_scale or self.head_dim**-0.5
         self.softcap = config.attn_logit_softcap
+        self.partial_rotary = config.rotary_dim is not None  # the C++ rotation turns whole heads
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(
@@ -241,7 +242,7 @@ class PagedAttention(CustomOp):
         self.v_cache: torch.Tensor | None = None
 
     def supports_cpu_kernel(self) -> bool:
-        return self.q_norm is None
+        return self.q_norm is None and not self.partial_rotary
 
     def forward_native(
         self, hidden: torch.Tensor, angles: RotaryAngles, batch: AttentionBatch

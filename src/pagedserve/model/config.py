@@ -59,6 +59,8 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # the same for the logits
     # RoPE settings per layer type (Gemma 3: local and global layers rotate differently).
     rope_per_layer_type: bool = False
+    # The leading dimensions of each head that RoPE rotates (Phi-4-mini: 3/4 of them); None: all.
+    rotary_dim: int | None = None
     # Mixture of experts: per layer, whether its MLP is num_experts experts (each a gated MLP of
     # moe_intermediate_size) of which each token takes its router's top num_experts_per_tok,
     # weighted by their softmax probabilities (renormalised over those when norm_topk_prob).
@@ -85,6 +87,7 @@ class ModelConfig:
             and self.attention_scale is None
             and len(set(self.layer_types)) == 1
             and not any(self.moe_layers)
+            and self.rotary_dim is None
         )
 
     def kv_cache_bytes_per_token(self, itemsize: int) -> int:
@@ -108,6 +111,7 @@ class ModelConfig:
                 f"pagedserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         num_heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         is_gemma = architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         attention_bias = bool(raw.get("attention_bias") or False)
@@ -121,7 +125,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_type=_rope_type(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
@@ -143,6 +147,7 @@ class ModelConfig:
             attn_logit_softcap=raw.get("attn_logit_softcapping") if is_gemma else None,
             final_logit_softcap=raw.get("final_logit_softcapping") if is_gemma else None,
             rope_per_layer_type=_rope_per_layer_type(raw),
+            rotary_dim=_rotary_dim(raw, head_dim),
             **_experts(raw, architecture, num_layers),
             raw=raw,
         )
@@ -175,12 +180,21 @@ def _rope_type(raw: dict) -> str:
             f"unsupported rope_type {rope_type!r}; pagedserve supports "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(
-            f"unsupported partial_rotary_factor {partial}: RoPE over the whole head only"
-        )
     return rope_type
+
+
+def _rotary_dim(raw: dict, head_dim: int) -> int | None:
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim == head_dim:
+        return None
+    if not 0 < rotary_dim < head_dim or rotary_dim % 2:
+        raise ValueError(
+            f"unsupported partial_rotary_factor {partial}: it must rotate an even number of a "
+            f"head's {head_dim} dimensions"
+        )
+    return rotary_dim
 
 
 def _layer_types(

@@ -33,7 +33,11 @@ class RotaryAngles:
     sin: torch.Tensor
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]; the "rotate half" RoPE layout of Llama."""
+        """x: [tokens, heads, head_dim]; the "rotate half" RoPE layout of Llama, over the leading
+        dimensions that cos and sin cover (all, or partial rotary's), the rest passed through."""
+        rotary_dim = self.cos.shape[-1]
+        if rotary_dim < x.shape[-1]:
+            return torch.cat([self.rotate(x[..., :rotary_dim]), x[..., rotary_dim:]], dim=-1)
         first, second = x.chunk(2, dim=-1)
         rotated = torch.cat([-second, first], dim=-1)
         return x * self.cos.unsqueeze(1) + rotated * self.sin.unsqueeze(1)
@@ -77,7 +81,8 @@ class RotaryEmbedding(nn.Module):
             rope_type = parameters.get("rope_type", "default")
         if rope_type == "default":
             theta = parameters["rope_theta"]
-            return cls(default_frequencies(config.head_dim, theta), max_positions, dtype)
+            rotary_dim = config.rotary_dim or config.head_dim
+            return cls(default_frequencies(rotary_dim, theta), max_positions, dtype)
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         compute = ROPE_INIT_FUNCTIONS[rope_type]
