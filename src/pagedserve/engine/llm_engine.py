@@ -57,7 +57,7 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_chat_template(config.chat_template)
         self.eos_token_ids = _eos_token_ids(model_dir, model_config, self.tokenizer)
-        self.runner = ModelRunner(model_dir, config, self.eos_token_ids)
+        self.runner = ModelRunner(model_dir, model_config, config, self.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,

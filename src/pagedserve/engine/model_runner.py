@@ -92,12 +92,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, config: EngineConfig, eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        model_dir: Path,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        eos_token_ids: tuple[int, ...],
+    ):
         self.device = resolve_device(config.device)
         kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels_available()
         self.dtype = resolve_dtype(config.dtype, self.device, kernels, CpuFeatures.host())
         self.block_size = config.block_size
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = model_config
         self.kv_cache_dtype = (
             self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         )
@@ -112,7 +118,7 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         if self.device.type == "cpu":
             _check_memory(weights_bytes(model_dir, self.dtype), self.kv_cache_bytes, config)
-        self.model = load_model(model_dir, self.dtype, self.device)
+        self.model = load_model(model_dir, model_config, self.dtype, self.device)
         # None: the linear weights are used as loaded, by F.linear.
         self.packed_weight_dtypes: PackedFormats | None = None
         if config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype):

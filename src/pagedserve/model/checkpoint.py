@@ -30,8 +30,9 @@ _MIXTRAL_NAMES = (
 )
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> DecoderModel:
-    config = ModelConfig.from_dir(model_dir)
+def load_model(
+    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> DecoderModel:
     with torch.device(device):
         model = DecoderModel(config, dtype)
     state = _remap(dict(_read_tensors(model_dir)), config)

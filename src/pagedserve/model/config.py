@@ -161,6 +161,11 @@ class ModelConfig:
         return AutoConfig.for_model(model_type, **settings)
 
 
+def _rope_settings(raw: dict) -> dict:
+    # transformers 5 nests RoPE settings in rope_parameters; older configs call them rope_scaling.
+    return raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+
+
 def _rope_per_layer_type(raw: dict) -> bool:
     rope = raw.get("rope_parameters") or {}
     return bool(rope) and all(isinstance(settings, dict) for settings in rope.values())
@@ -168,8 +173,7 @@ def _rope_per_layer_type(raw: dict) -> bool:
 
 def _rope_type(raw: dict) -> str:
     """The RoPE type, of the global layers where each layer type has its own settings."""
-    # transformers 5 nests RoPE settings in rope_parameters; older configs call them rope_scaling.
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope = _rope_settings(raw)
     if _rope_per_layer_type(raw):
         for settings in rope.values():
             _rope_type({"rope_parameters": settings})
@@ -184,7 +188,7 @@ def _rope_type(raw: dict) -> str:
 
 
 def _rotary_dim(raw: dict, head_dim: int) -> int | None:
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope = _rope_settings(raw)
     partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     rotary_dim = int(head_dim * partial)
     if rotary_dim == head_dim:
