@@ -144,14 +144,15 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
         scale = torch.rand(out_features, generator=generator) / 64
         weight = values.double() * scale.double()[:, None]
         return pack.pack_linear_weight(values.to(torch.int8)), scale, weight
-    if weight_dtype in ("q4_1", "q4_1_q8", "q8_0"):
-        low, high = (-127, 128) if weight_dtype == "q8_0" else (0, 16)
+    if weight_dtype in ("q4_1", "q4_1_q8", "q8_0", "q8_0_q8"):
+        q8_0 = weight_dtype.startswith("q8_0")
+        low, high = (-128, 128) if q8_0 else (0, 16)
         values = torch.randint(low, high, (out_features, in_features), generator=generator)
         groups = (out_features, in_features // 32)
         scales = (torch.rand(groups, generator=generator) / 16).half()
         weight = values.double().view(*groups, 32) * scales.double()[..., None]
-        if weight_dtype == "q8_0":
-            packed = pack.pack_q8_0(values.to(torch.int8), scales)
+        if q8_0:  # pack_q8_0 or pack_q8_0_q8
+            packed = getattr(pack, f"pack_{weight_dtype}")(values.to(torch.int8), scales)
         else:
             minima = (torch.randn(groups, generator=generator) / 4).half()
             weight += minima.double()[..., None]
@@ -201,17 +202,21 @@ def test_packed_linear_matches_plain_product(
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
+_INTEGER_DTYPES = ["q4_1_q8", "q8_0_q8"]
+
+
+@pytest.mark.parametrize("weight_dtype", _INTEGER_DTYPES)
 @pytest.mark.parametrize(("rows", "in_features", "out_features", "with_bias"), _SHAPES)
-def test_q4_1_q8_product_is_the_dequantized_product_of_rounded_inputs(
-    rows, in_features, out_features, with_bias
+def test_integer_products_are_the_dequantized_products_of_rounded_inputs(
+    rows, in_features, out_features, with_bias, weight_dtype
 ):
-    """q4_1_q8 rounds each group of 32 inputs to 8-bit values with a float32 scale and computes
-    the dot products with the 4-bit values in integers, exactly: the reference multiplies the
-    weights the blocks stand for by the inputs so rounded, in float64. An all-zero group (scale
-    0) is among them."""
+    """q4_1_q8 and q8_0_q8 round each group of 32 inputs to 8-bit values with a float32 scale
+    and compute the dot products with the 4-bit or 8-bit values (all of -128 to 127 among them)
+    in integers, exactly: the reference multiplies the weights the blocks stand for by the
+    inputs so rounded, in float64. An all-zero group (scale 0) is among them."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
-    packed, _, weight = _packed_weights(out_features, in_features, "q4_1_q8", generator)
+    packed, _, weight = _packed_weights(out_features, in_features, weight_dtype, generator)
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     x = torch.randn(rows, in_features, generator=generator)
     x[0, :32] = 0
@@ -222,11 +227,11 @@ def test_q4_1_q8_product_is_the_dequantized_product_of_rounded_inputs(
     values, scales = rounded_to_q8(x)
     expected = (values.double() * scales.double()).view(x.shape) @ weight.T + bias_term
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
-    unrounded = x.double() @ weight.T + bias_term  # what q4_1 computes: the rounding shows
+    unrounded = x.double() @ weight.T + bias_term  # what q4_1 or q8_0 computes: rounding shows
     assert not torch.allclose(out.double(), unrounded, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("weight_dtype", [*_DTYPES, *_BLOCK_DTYPES, "q4_1_q8"])
+@pytest.mark.parametrize("weight_dtype", [*_DTYPES, *_BLOCK_DTYPES, *_INTEGER_DTYPES])
 def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
     """Tiles of different heights and widths sum every output in the same order, so a sequence's
     logits are the same bits whatever else shares its step."""
@@ -241,12 +246,12 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
         assert torch.equal(batched[:1], alone), f"row 0 changed in a batch of {rows}"
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, "q4_1", "q4_1_q8"])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, "q4_1", *_INTEGER_DTYPES])
 @pytest.mark.parametrize("rows", [1, 6])
 def test_packed_linear_is_the_same_on_any_number_of_threads(weight_dtype, rows):
-    """Threads share the panels (strips for q4_1_q8) in contiguous shares and take what the
-    others leave from their ends (csrc/work_sharing.h): every output is computed exactly once
-    however many threads there are, more than there are items of work included, and in the
+    """Threads share the panels (strips for the integer products) in contiguous shares and take
+    what the others leave from their ends (csrc/work_sharing.h): every output is computed exactly
+    once however many threads there are, more than there are items of work included, and in the
     same order of sums."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
@@ -318,8 +323,11 @@ def test_block_packing_rejects_mismatched_inputs():
     values = torch.zeros(40, 64, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match=r"must be float16 of shape \[40, 2\]"):
         pack.pack_q8_0(values.to(torch.int8), scales.float())
-    with pytest.raises(RuntimeError, match="values must be a 2-D Char tensor"):
-        pack.pack_q8_0(values, scales)
+    for packer in (pack.pack_q8_0, pack.pack_q8_0_q8):
+        with pytest.raises(RuntimeError, match="values must be a 2-D Char tensor"):
+            packer(values, scales)
+        with pytest.raises(RuntimeError, match="48 input features are not whole groups of 32"):
+            packer(values[:, :48].to(torch.int8), scales[:, :1])
     packed = pack.pack_q4_1(values, scales, scales)
     with pytest.raises(RuntimeError, match="is not a pack_linear_weight, pack_q4_1 or pack_q8_0"):
         linear(torch.zeros(2, 96), packed, 40, None)
@@ -329,14 +337,12 @@ def test_block_packing_rejects_mismatched_inputs():
         linear(torch.zeros(2, 64), packed, 40, None, torch.ones(40))
 
 
-def test_q4_1_q8_product_rejects_mismatched_inputs():
+@pytest.mark.parametrize("weight_dtype", _INTEGER_DTYPES)
+def test_integer_products_reject_mismatched_inputs(weight_dtype):
     assert cpu_kernels_available()
     linear = torch.ops.pagedserve.packed_linear
-    scales = torch.ones(40, 2, dtype=torch.float16)
-    packed = torch.ops.pagedserve.pack_q4_1_q8(
-        torch.zeros(40, 64, dtype=torch.uint8), scales, scales
-    )
-    with pytest.raises(RuntimeError, match="is not a pack_q4_1_q8 result for 96 input features"):
+    packed, _, _ = _packed_weights(40, 64, weight_dtype, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=f"is not a pack_{weight_dtype} result for 96 input"):
         linear(torch.zeros(2, 96), packed, 40, None)
     with pytest.raises(RuntimeError, match="out_features 70 does not fit 2 strips of 32"):
         linear(torch.zeros(2, 64), packed, 70, None)
@@ -516,28 +522,31 @@ def test_kernels_load_past_the_lock_of_an_interrupted_build(tmp_path):
     assert not (copy / "lock").exists()
 
 
-_Q4_1_Q8_PRODUCT = """
+_INTEGER_PRODUCTS = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from test_kernels import _packed_weights
 from pagedserve.model.kernels import _cflags, cpu_kernels_available
 assert cpu_kernels_available()
 generator = torch.Generator().manual_seed(0)
-packed, _, _ = _packed_weights(200, 576, "q4_1_q8", generator)
-x = torch.randn(9, 576, generator=generator)
-rows = [torch.ops.pagedserve.packed_linear(x[:n], packed, 200, None)[0] for n in (1, 4, 9)]
+rows = []
+for weight_dtype in ("q4_1_q8", "q8_0_q8"):
+    packed, _, _ = _packed_weights(200, 576, weight_dtype, generator)
+    x = torch.randn(9, 576, generator=generator)
+    rows += [torch.ops.pagedserve.packed_linear(x[:n], packed, 200, None)[0] for n in (1, 4, 9)]
 torch.save({{"rows": rows, "flags": _cflags()}}, {out!r})
 """
 
 
-def test_q4_1_q8_gives_the_same_bits_with_and_without_avx512_and_vnni(tmp_path):
+def test_integer_products_give_the_same_bits_with_and_without_avx512_and_vnni(tmp_path):
     """The integer dot products are exact, so the build for this CPU (with AVX-512 VNNI's
     vpdpbusd where it has it) and an AVX2 build (vpmaddubsw, vpmaddwd; ATEN_CPU_CAPABILITY=avx2
-    builds the kernels as for an AVX2-only CPU) compute the same bits."""
+    builds the kernels as for an AVX2-only CPU) compute the same bits, for q4_1_q8 and
+    q8_0_q8."""
     results = {}
     for name, capability in (("host", None), ("avx2", "avx2")):
         out = tmp_path / f"{name}.pt"
-        script = _Q4_1_Q8_PRODUCT.format(tests=str(Path(__file__).parent), out=str(out))
+        script = _INTEGER_PRODUCTS.format(tests=str(Path(__file__).parent), out=str(out))
         env = os.environ.copy()
         env.pop("ATEN_CPU_CAPABILITY", None)
         if capability is not None:

@@ -35,7 +35,7 @@ _SOURCES = [
     for name in (
         "paged_decode.cpp",
         "packed_linear.cpp",
-        "q4_1_q8_linear.cpp",
+        "integer_linear.cpp",
         "norm_activation.cpp",
         "rotary_cache.cpp",
         "decode_layers.cpp",

@@ -7,8 +7,8 @@ packed formats feed the C++ product (csrc/packed_linear.cpp, float32 inputs on t
 panels made once at load time: float32 or bfloat16 weights, int8 values with a scale per output
 feature, or llama.cpp's Q4_1 or Q8_0 blocks (4-bit or 8-bit values in groups of 32 inputs, each
 with a float16 scale, and for Q4_1 a minimum). The arithmetic is float32 in every case but
-q4_1_q8's, whose Q4_1 blocks are multiplied in integers against inputs rounded to 8 bits
-(csrc/q4_1_q8_linear.cpp).
+q4_1_q8's and q8_0_q8's, whose Q4_1 and Q8_0 blocks are multiplied in integers against inputs
+rounded to 8 bits, as llama.cpp computes them (csrc/integer_linear.cpp).
 
 choose_formats is the policy: --packed-weight-dtype auto keeps the checkpoint's own weights
 exactly, in the format that stores them.
@@ -97,16 +97,18 @@ class PackedInt8(PackedLinearMethod):
 
 class PackedBlocks(PackedLinearMethod):
     """llama.cpp's Q4_1 or Q8_0 blocks (pagedserve.model.quantization), packed by the op of the
-    format's name: pack_q4_1, pack_q4_1_q8 (Q4_1 for the integer product) or pack_q8_0."""
+    format's name: pack_q4_1, pack_q8_0, or pack_q4_1_q8 and pack_q8_0_q8 (for the integer
+    product)."""
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, None]:
-        blocks = quantize_q8_0(weight) if self.name == "q8_0" else quantize_q4_1(weight)
+        q8_0 = self.name.startswith("q8_0")
+        blocks = quantize_q8_0(weight) if q8_0 else quantize_q4_1(weight)
         return getattr(torch.ops.pagedserve, f"pack_{self.name}")(*blocks), None
 
 
 # 4-bit logits lose the most, and int8 ones with a scale per output feature changed greedy
 # outputs that q8_0 ones leave as float32 has them: the Q4_1 formats keep the logits' weights as
-# q8_0, as Q4_1 GGUF files do.
+# Q8_0, as Q4_1 GGUF files do (q4_1_q8 in integers too, as llama.cpp computes them).
 PACKED_FORMATS: dict[str, PackedLinearMethod] = {
     method.name: method
     for method in (
@@ -114,8 +116,9 @@ PACKED_FORMATS: dict[str, PackedLinearMethod] = {
         PackedFloat("bfloat16", 2, stores="BF16"),
         PackedInt8("int8", 1),
         PackedBlocks("q8_0", 34 / 32, stores="Q8_0"),
+        PackedBlocks("q8_0_q8", 34 / 32),
         PackedBlocks("q4_1", 20 / 32, stores="Q4_1", logits="q8_0"),
-        PackedBlocks("q4_1_q8", 20 / 32, logits="q8_0"),
+        PackedBlocks("q4_1_q8", 20 / 32, logits="q8_0_q8"),
     )
 }
 

@@ -33,12 +33,13 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
                          int64_t out_features, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scale);
 
-// q4_1_q8_linear.cpp: packed_linear's product for pack_q4_1_q8 results (its input, scale and
-// bias checked by packed_linear; bias nullptr or out_features floats)
+// integer_linear.cpp: packed_linear's product for pack_q4_1_q8 and pack_q8_0_q8 results (its
+// input, scale and bias checked by packed_linear; bias nullptr or out_features floats)
 at::Tensor pack_q4_1_q8(const at::Tensor& values, const at::Tensor& scales,
                         const at::Tensor& minima);
-bool is_q4_1_q8(const at::Tensor& packed_weight);  // a pack_q4_1_q8 result, by its shape
-at::Tensor q4_1_q8_linear(const at::Tensor& input, const at::Tensor& packed_weight,
+at::Tensor pack_q8_0_q8(const at::Tensor& values, const at::Tensor& scales);
+bool is_integer_blocks(const at::Tensor& packed_weight);  // either's result, by its shape
+at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weight,
                           int64_t out_features, const float* bias);
 
 // rotary_cache.cpp

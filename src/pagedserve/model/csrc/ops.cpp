@@ -13,11 +13,12 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def(
       "rotary_and_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
-  // Linear maps from packed weights (packed_linear.cpp, q4_1_q8_linear.cpp)
+  // Linear maps from packed weights (packed_linear.cpp, integer_linear.cpp)
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("pack_q4_1(Tensor values, Tensor scales, Tensor minima) -> Tensor");
   m.def("pack_q4_1_q8(Tensor values, Tensor scales, Tensor minima) -> Tensor");
   m.def("pack_q8_0(Tensor values, Tensor scales) -> Tensor");
+  m.def("pack_q8_0_q8(Tensor values, Tensor scales) -> Tensor");
   m.def(
       "packed_linear(Tensor input, Tensor packed_weight, int out_features, Tensor? bias, "
       "Tensor? scale=None) -> Tensor");
@@ -42,6 +43,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("pack_q4_1", &pagedserve::pack_q4_1);
   m.impl("pack_q4_1_q8", &pagedserve::pack_q4_1_q8);
   m.impl("pack_q8_0", &pagedserve::pack_q8_0);
+  m.impl("pack_q8_0_q8", &pagedserve::pack_q8_0_q8);
   m.impl("packed_linear", &pagedserve::packed_linear);
   m.impl("rms_norm", &pagedserve::rms_norm);
   m.impl("add_rms_norm_", &pagedserve::add_rms_norm_);

@@ -11,7 +11,8 @@
 // (weight = scale * value), or llama.cpp's Q4_1 or Q8_0 blocks (see BlockPanels). The arithmetic
 // is float32 whatever they hold, so bfloat16 halves, int8 quarters and Q4_1 cuts to 5/32 the
 // bytes a decode step reads, on CPUs with no bfloat16 or int8 arithmetic too.
-// pack_q4_1_q8's blocks are computed in integers instead, by q4_1_q8_linear.cpp.
+// pack_q4_1_q8's and pack_q8_0_q8's blocks are computed in integers instead, by
+// integer_linear.cpp.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -571,8 +572,8 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
   TORCH_CHECK((type == at::kChar) == scale.has_value(),
               "packed_linear: scale is required for int8 panels and only for them");
   at::Tensor padded_bias;
-  if (is_q4_1_q8(packed_weight)) {  // its tiles read only the real features
-    return q4_1_q8_linear(input, packed_weight, out_features,
+  if (is_integer_blocks(packed_weight)) {  // its tiles read only the real features
+    return integer_linear(input, packed_weight, out_features,
                           per_feature(bias, out_features, out_features, "bias", padded_bias));
   }
   const int64_t num_rows = input.size(0), in_features = input.size(1);

@@ -1,5 +1,5 @@
-// Q4_1 weights against 8-bit activations, in integer arithmetic: llama.cpp's way of computing
-// its Q4_1 products (against Q8_1 activations) on CPUs without int8 dot-product instructions.
+// Q4_1 or Q8_0 weights against 8-bit activations, in integer arithmetic: llama.cpp's way of
+// computing its Q4_1 and Q8_0 products (against Q8_1 and Q8_0 activations).
 //
 // packed_linear's Q4_1 tiles widen every 4-bit value to float32 and spend a multiply-add on it:
 // at one row that is 7 instructions per 16 weights, and the product is limited by them as much as
@@ -10,11 +10,17 @@
 // 2 * 15 * 127 each, so eight of them sum without overflow), and vpmaddwd adds those into one
 // int32 per feature. That takes about a third of the instructions per weight.
 //
-// So the product is that of the dequantized weights (scale * value + minimum) with the
+// Q8_0's signed 8-bit values meet the signed inputs the same way: as unsigned magnitudes against
+// inputs carrying the weights' signs (vpsignb), whose pair sums (at most 2 * 128 * 127) fit int16
+// one at a time, or, with VNNI, stored offset by 128 (unsigned) and the offset's share,
+// 128 * (sum of q over g), taken off the int32 sum. Both give the exact integer dot product.
+//
+// So the product is that of the dequantized weights (scale * value, + minimum for Q4_1) with the
 // dequantized inputs (d * q). Each output is, per feature f and in this order for every tile
 // shape and batch size, so that a row's outputs do not depend on its batch:
 //   out[f] = (sum over groups g of (scale[f][g] * d[g]) * dot[f][g])
-//          + (sum over groups g of minimum[f][g] * (d[g] * sum of q over g)) + bias[f]
+//          + (sum over groups g of minimum[f][g] * (d[g] * sum of q over g))  [Q4_1 only]
+//          + bias[f]
 // with each sum a chain of float32 multiply-adds over g in order.
 //
 // With a third of the instructions, one row is held by the memory more than by arithmetic: see
@@ -29,6 +35,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -43,20 +50,31 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;    // inputs per group, as in Q4_1
+constexpr int64_t kGroup = 32;    // inputs per group, as in Q4_1 and Q8_0
 constexpr int64_t kFeatures = 8;  // output features per panel: one vector of eight int32 sums
-constexpr int64_t kHeaderBytes = 2 * kFeatures * sizeof(at::Half);  // scales, then minima
-constexpr int64_t kValueBytes = kFeatures * kGroup / 2;
-constexpr int64_t kBlockBytes = kHeaderBytes + kValueBytes;
 // Panels are stored in strips of kStrip, the blocks of a strip ordered by group, then panel: a
 // thread computes a strip at a time, one row against all of its panels, reading it in order.
 constexpr int64_t kStrip = 4;
 constexpr int64_t kStripFeatures = kStrip * kFeatures;
-// The values of a block (one panel's eight features over one group) are four 32-byte vectors.
-// Byte 4 * f + i of vector v holds feature f's value for input 4 * v + i in its low half and for
-// input 16 + 4 * v + i in its high half, so that vpmaddubsw meets each feature's four
-// consecutive values beside one broadcast of four inputs.
-constexpr int64_t kVectors = 4;
+
+// A block is one panel's eight features over one group: their float16 scales (then minima, for
+// Q4_1), then their values in 32-byte vectors. Byte 4 * f + i of vector v holds feature f's value
+// for input 4 * v + i (Q8_0: offset by 128; Q4_1: in its low half, and for input 16 + 4 * v + i
+// in its high half), so that each feature's four consecutive values meet one broadcast of four
+// inputs.
+// kPrefetch: whether a one-row tile asks for blocks ahead (see prefetch_ahead).
+struct Q4_1 {
+  static constexpr int64_t kHeaderParts = 2, kVectors = 4;
+  static constexpr bool kPrefetch = true;
+};
+struct Q8_0 {
+  static constexpr int64_t kHeaderParts = 1, kVectors = 8;
+  static constexpr bool kPrefetch = false;
+};
+template <class Format>
+constexpr int64_t kHeaderBytes = Format::kHeaderParts * kFeatures * sizeof(at::Half);
+template <class Format>
+constexpr int64_t kBlockBytes = kHeaderBytes<Format> + 32 * Format::kVectors;
 
 #ifdef PAGEDSERVE_HAS_AVX2
 
@@ -69,11 +87,13 @@ constexpr int64_t kTileRows = 2, kTilePanels = kStrip;
 constexpr int64_t kTileRows = 4, kTilePanels = 1;
 #endif
 
-// Input rows quantized group by group: values, and each group's d and d * (sum of its values).
+// Input rows quantized group by group: values, and each group's d, d * (sum of its values) and
+// that sum.
 struct QuantizedRows {
   std::vector<int8_t> values;  // [rows][in]
   std::vector<float> scales;   // [rows][in / kGroup]
   std::vector<float> sums;     // [rows][in / kGroup]
+  std::vector<int32_t> totals;  // [rows][in / kGroup]
   int64_t groups_per_row;
 
   const int8_t* group_values(int64_t row, int64_t g) const {
@@ -84,7 +104,7 @@ struct QuantizedRows {
 // d = max |x| / 127 and q = round-half-even(x * (127 / max |x|)), both divisions in float32, as
 // the reference in tests/test_kernels.py computes them (the conversion rounds half to even, as the
 // CPU's default rounding mode does).
-void quantize_group(const float* x, int8_t* values, float& scale, float& sum) {
+void quantize_group(const float* x, int8_t* values, float& scale, float& sum, int32_t& total) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   __m256 inputs[4], largest = _mm256_setzero_ps();
   for (int64_t i = 0; i < 4; ++i) {
@@ -96,10 +116,10 @@ void quantize_group(const float* x, int8_t* values, float& scale, float& sum) {
   const float group_largest = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
   scale = group_largest / 127.0f;
   const __m256 inverse = _mm256_set1_ps(group_largest > 0.0f ? 127.0f / group_largest : 0.0f);
-  __m256i rounded[4], total = _mm256_setzero_si256();
+  __m256i rounded[4], totals = _mm256_setzero_si256();
   for (int64_t i = 0; i < 4; ++i) {
     rounded[i] = _mm256_cvtps_epi32(_mm256_mul_ps(inputs[i], inverse));
-    total = _mm256_add_epi32(total, rounded[i]);
+    totals = _mm256_add_epi32(totals, rounded[i]);
   }
   // Packing works within each 128-bit half: the last permutation puts the values back in order.
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(rounded[0], rounded[1]),
@@ -107,19 +127,22 @@ void quantize_group(const float* x, int8_t* values, float& scale, float& sum) {
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(values),
                       _mm256_permutevar8x32_epi32(bytes, in_order));
-  __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  __m128i sums =
+      _mm_add_epi32(_mm256_castsi256_si128(totals), _mm256_extracti128_si256(totals, 1));
   sums = _mm_hadd_epi32(sums, sums);
   sums = _mm_hadd_epi32(sums, sums);
-  sum = scale * static_cast<float>(_mm_cvtsi128_si32(sums));
+  total = _mm_cvtsi128_si32(sums);
+  sum = scale * static_cast<float>(total);
 }
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
   const int64_t groups = rows * in_features / kGroup;
   QuantizedRows quantized{std::vector<int8_t>(rows * in_features), std::vector<float>(groups),
-                          std::vector<float>(groups), in_features / kGroup};
+                          std::vector<float>(groups), std::vector<int32_t>(groups),
+                          in_features / kGroup};
   for (int64_t g = 0; g < groups; ++g) {
     quantize_group(x + g * kGroup, quantized.values.data() + g * kGroup, quantized.scales[g],
-                   quantized.sums[g]);
+                   quantized.sums[g], quantized.totals[g]);
   }
   return quantized;
 }
@@ -128,12 +151,17 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
 // a vector): each block's values are unpacked once for all the rows, each row's inputs
 // broadcast once for all the panels. The sums are exact in integers, so both ways below give
 // the same bits: with AVX-512 VNNI (the build enables it where the CPU has it), vpdpbusd adds
-// each feature's four products straight into its int32 lane, low and high halves in separate
-// sums so that two chains of them run at once; without it, vpmaddubsw makes int16 pair sums and
-// vpmaddwd adds pairs of those.
+// each feature's four products straight into its int32 lane, in two sums (Q4_1: the low and
+// high halves; Q8_0: even and odd vectors) so that two chains of them run at once; without it,
+// vpmaddubsw makes int16 pair sums and vpmaddwd adds pairs of those.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PAGEDSERVE_HAS_VNNI 1
+#endif
+
 template <int64_t rows, int64_t panels>
-[[gnu::always_inline]] inline void group_dots(const uint8_t* const (&values)[panels],
+[[gnu::always_inline]] inline void group_dots(Q4_1, const uint8_t* const (&values)[panels],
                                               const int8_t* const (&inputs)[rows],
+                                              const int32_t* const (&)[rows],
                                               __m256i (&dots)[rows][panels]) {
   const __m256i low_bits = _mm256_set1_epi8(15);
   __m256i low_sums[rows][panels], high_sums[rows][panels];
@@ -141,7 +169,7 @@ template <int64_t rows, int64_t panels>
     for (int64_t p = 0; p < panels; ++p) low_sums[m][p] = high_sums[m][p] = _mm256_setzero_si256();
   }
 #pragma GCC unroll 4
-  for (int64_t v = 0; v < kVectors; ++v) {
+  for (int64_t v = 0; v < Q4_1::kVectors; ++v) {
     __m256i first[rows], second[rows];
     for (int64_t m = 0; m < rows; ++m) {
       int32_t four;
@@ -158,7 +186,7 @@ template <int64_t rows, int64_t panels>
       const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_bits);
 #pragma GCC unroll 4
       for (int64_t m = 0; m < rows; ++m) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef PAGEDSERVE_HAS_VNNI
         low_sums[m][p] = _mm256_dpbusd_epi32(low_sums[m][p], low, first[m]);
         high_sums[m][p] = _mm256_dpbusd_epi32(high_sums[m][p], high, second[m]);
 #else
@@ -170,11 +198,60 @@ template <int64_t rows, int64_t panels>
   }
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t p = 0; p < panels; ++p) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef PAGEDSERVE_HAS_VNNI
       dots[m][p] = _mm256_add_epi32(low_sums[m][p], high_sums[m][p]);
 #else
       dots[m][p] = _mm256_madd_epi16(_mm256_add_epi16(low_sums[m][p], high_sums[m][p]),
                                      _mm256_set1_epi16(1));
+#endif
+    }
+  }
+}
+
+template <int64_t rows, int64_t panels>
+[[gnu::always_inline]] inline void group_dots(Q8_0, const uint8_t* const (&values)[panels],
+                                              const int8_t* const (&inputs)[rows],
+                                              const int32_t* const (&totals)[rows],
+                                              __m256i (&dots)[rows][panels]) {
+  __m256i sums[2][rows][panels];
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t p = 0; p < panels; ++p) sums[0][m][p] = sums[1][m][p] = _mm256_setzero_si256();
+  }
+#pragma GCC unroll 8
+  for (int64_t v = 0; v < Q8_0::kVectors; ++v) {
+    __m256i four_inputs[rows];
+    for (int64_t m = 0; m < rows; ++m) {
+      int32_t four;
+      std::memcpy(&four, inputs[m] + 4 * v, 4);
+      four_inputs[m] = _mm256_set1_epi32(four);
+    }
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < panels; ++p) {
+      const __m256i offset =  // value + 128
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[p] + 32 * v));
+#ifdef PAGEDSERVE_HAS_VNNI
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < rows; ++m) {
+        sums[v % 2][m][p] = _mm256_dpbusd_epi32(sums[v % 2][m][p], offset, four_inputs[m]);
+      }
+#else
+      const __m256i signed_values = _mm256_xor_si256(offset, _mm256_set1_epi8(-128));
+      const __m256i magnitudes = _mm256_abs_epi8(signed_values);
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < rows; ++m) {
+        const __m256i signed_inputs = _mm256_sign_epi8(four_inputs[m], signed_values);
+        const __m256i pairs = _mm256_maddubs_epi16(magnitudes, signed_inputs);
+        sums[v % 2][m][p] =
+            _mm256_add_epi32(sums[v % 2][m][p], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+      }
+#endif
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t p = 0; p < panels; ++p) {
+      dots[m][p] = _mm256_add_epi32(sums[0][m][p], sums[1][m][p]);
+#ifdef PAGEDSERVE_HAS_VNNI
+      dots[m][p] = _mm256_sub_epi32(dots[m][p], _mm256_set1_epi32(128 * *totals[m]));
 #endif
     }
   }
@@ -185,15 +262,17 @@ __m256 widen_halves(const uint8_t* halves) {
 }
 
 // One row computes a group's blocks faster than they arrive from memory, and the hardware
-// prefetcher alone fell behind: asking for the blocks kPrefetchBytes ahead of those being read
-// made the default model's maps at one row 6-8% faster here (640 bytes ahead as fast; reading
+// prefetcher alone fell behind on Q4_1: asking for the blocks kPrefetchBytes ahead of those being
+// read made the default model's maps at one row 6-8% faster (640 bytes ahead as fast; reading
 // runs on into the next strip of the thread's share, or past the tensor's end, where a prefetch
-// reads nothing and cannot fault).
+// reads nothing and cannot fault). Q8_0's larger blocks read faster without it, at any distance
+// from 512 to 8192 bytes.
 constexpr int64_t kPrefetchBytes = 1024;
 
+template <class Format>
 [[gnu::always_inline]] inline void prefetch_ahead(const uint8_t* group_blocks) {
   const char* ahead = reinterpret_cast<const char*>(group_blocks) + kPrefetchBytes;
-  for (int64_t offset = 0; offset < kStrip * kBlockBytes; offset += 64) {
+  for (int64_t offset = 0; offset < kStrip * kBlockBytes<Format>; offset += 64) {
     _mm_prefetch(ahead + offset, _MM_HINT_T0);
   }
 }
@@ -201,44 +280,56 @@ constexpr int64_t kPrefetchBytes = 1024;
 // Rows [first_row, first_row + rows) against `panels` consecutive panels of a strip from its
 // panel `first`, writing `cols` features of `out` from the first of them. Each block comes from
 // memory once for all the rows of the tile.
-template <int64_t rows, int64_t panels>
+template <class Format, int64_t rows, int64_t panels>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t first_row, const uint8_t* strip,
                             int64_t first, int64_t num_groups, const float* bias, float* out,
                             int64_t out_stride, int64_t cols) {
+  constexpr bool with_minima = std::is_same_v<Format, Q4_1>;
+  constexpr int64_t block_bytes = kBlockBytes<Format>;
   __m256 dots[rows][panels], minima[rows][panels];
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t p = 0; p < panels; ++p) dots[m][p] = minima[m][p] = _mm256_setzero_ps();
   }
   for (int64_t g = 0; g < num_groups; ++g) {
-    if constexpr (rows == 1) prefetch_ahead(strip + g * kStrip * kBlockBytes);
+    if constexpr (rows == 1 && Format::kPrefetch) {
+      prefetch_ahead<Format>(strip + g * kStrip * block_bytes);
+    }
     const uint8_t* blocks[panels];
     const uint8_t* values[panels];
     const int8_t* inputs[rows];
+    const int32_t* totals[rows];
     for (int64_t p = 0; p < panels; ++p) {
-      blocks[p] = strip + (g * kStrip + first + p) * kBlockBytes;
-      values[p] = blocks[p] + kHeaderBytes;
+      blocks[p] = strip + (g * kStrip + first + p) * block_bytes;
+      values[p] = blocks[p] + kHeaderBytes<Format>;
     }
-    for (int64_t m = 0; m < rows; ++m) inputs[m] = x.group_values(first_row + m, g);
+    for (int64_t m = 0; m < rows; ++m) {
+      inputs[m] = x.group_values(first_row + m, g);
+      totals[m] = &x.totals[(first_row + m) * x.groups_per_row + g];
+    }
     __m256i integer_dots[rows][panels];
-    group_dots<rows, panels>(values, inputs, integer_dots);
+    group_dots<rows, panels>(Format{}, values, inputs, totals, integer_dots);
 #pragma GCC unroll 4
     for (int64_t p = 0; p < panels; ++p) {
       const __m256 scale = widen_halves(blocks[p]);
-      const __m256 minimum = widen_halves(blocks[p] + kHeaderBytes / 2);
+      const __m256 minimum = with_minima ? widen_halves(blocks[p] + kHeaderBytes<Format> / 2)
+                                         : _mm256_setzero_ps();
 #pragma GCC unroll 4
       for (int64_t m = 0; m < rows; ++m) {
         const int64_t at = (first_row + m) * x.groups_per_row + g;
         const __m256 group_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scales[at]));
         dots[m][p] =
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(integer_dots[m][p]), group_scale, dots[m][p]);
-        minima[m][p] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x.sums[at]), minima[m][p]);
+        if constexpr (with_minima) {
+          minima[m][p] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x.sums[at]), minima[m][p]);
+        }
       }
     }
   }
   float buffer[panels * kFeatures];
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t p = 0; p < panels; ++p) {
-      _mm256_storeu_ps(buffer + p * kFeatures, _mm256_add_ps(dots[m][p], minima[m][p]));
+      _mm256_storeu_ps(buffer + p * kFeatures,
+                       with_minima ? _mm256_add_ps(dots[m][p], minima[m][p]) : dots[m][p]);
     }
     float* row_out = out + (first_row + m) * out_stride;
     for (int64_t j = 0; j < cols; ++j) row_out[j] = buffer[j] + (bias == nullptr ? 0.0f : bias[j]);
@@ -248,6 +339,7 @@ template <int64_t rows, int64_t panels>
 // Every row against a strip whose first `cols` features are written (the rest are padding):
 // whole tiles, then the rows left over against as many panels at once as make four chains of
 // multiply-adds, which hide each other's latency.
+template <class Format>
 void rows_against_strip(const QuantizedRows& x, int64_t num_rows, const uint8_t* strip,
                         int64_t num_groups, const float* bias, float* out, int64_t out_stride,
                         int64_t cols) {
@@ -260,16 +352,17 @@ void rows_against_strip(const QuantizedRows& x, int64_t num_rows, const uint8_t*
   };
   const int64_t whole_rows = num_rows - num_rows % kTileRows;
   for (int64_t row = 0; row < whole_rows; row += kTileRows) {
-    run(tile<kTileRows, kTilePanels>, kTilePanels, row);
+    run(tile<Format, kTileRows, kTilePanels>, kTilePanels, row);
   }
   switch (num_rows - whole_rows) {
-    case 3: return run(tile<3, 1>, 1, whole_rows);
-    case 2: return run(tile<2, 2>, 2, whole_rows);
-    case 1: return run(tile<1, kStrip>, kStrip, whole_rows);
+    case 3: return run(tile<Format, 3, 1>, 1, whole_rows);
+    case 2: return run(tile<Format, 2, 2>, 2, whole_rows);
+    case 1: return run(tile<Format, 1, kStrip>, kStrip, whole_rows);
     default: return;
   }
 }
 
+template <class Format>
 at::Tensor product(const at::Tensor& x, const at::Tensor& packed_weight, int64_t out_features,
                    const float* bias) {
   const int64_t num_rows = x.size(0), in_features = x.size(1);
@@ -277,13 +370,14 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed_weight, int64_t
   at::Tensor out = at::empty({num_rows, out_features}, x.options());
   const uint8_t* blocks = packed_weight.const_data_ptr<uint8_t>();
   const int64_t num_strips = packed_weight.size(0), num_groups = in_features / kGroup;
+  const int64_t strip_bytes = num_groups * kStrip * kBlockBytes<Format>;
   pagedserve::share_items(num_strips, [&](pagedserve::SharedItems& strips) {
     for (int64_t s = strips.next(); s >= 0; s = strips.next()) {
       const int64_t feature = s * kStripFeatures;
-      rows_against_strip(quantized, num_rows, blocks + s * num_groups * kStrip * kBlockBytes,
-                         num_groups, bias == nullptr ? nullptr : bias + feature,
-                         out.data_ptr<float>() + feature, out_features,
-                         std::min(kStripFeatures, out_features - feature));
+      rows_against_strip<Format>(quantized, num_rows, blocks + s * strip_bytes, num_groups,
+                                 bias == nullptr ? nullptr : bias + feature,
+                                 out.data_ptr<float>() + feature, out_features,
+                                 std::min(kStripFeatures, out_features - feature));
     }
   });
   return out;
@@ -293,21 +387,50 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed_weight, int64_t
 
 void check_avx2(const char* op) {
 #ifndef PAGEDSERVE_HAS_AVX2
-  TORCH_CHECK(false, op, ": the q4_1_q8 product needs a CPU with AVX2 (packed weight dtype q4_1 ",
-              "computes the same weights in float32 anywhere)");
+  TORCH_CHECK(false, op, ": the integer products need a CPU with AVX2 (packed weight dtypes q4_1 ",
+              "and q8_0 compute the same weights in float32 anywhere)");
 #endif
+}
+
+const char* packer_name(const at::Tensor& packed) {
+  return packed.size(3) == kBlockBytes<Q8_0> ? "pack_q8_0_q8" : "pack_q4_1_q8";
 }
 
 void check_packed(const at::Tensor& packed, int64_t in_features, int64_t out_features) {
   TORCH_CHECK(packed.is_contiguous() && in_features % kGroup == 0 &&
                   packed.size(1) == in_features / kGroup,
-              "packed_linear: packed_weight ", packed.sizes(), " is not a pack_q4_1_q8 result for ",
-              in_features, " input features");
+              "packed_linear: packed_weight ", packed.sizes(), " is not a ", packer_name(packed),
+              " result for ", in_features, " input features");
   const int64_t strips = packed.size(0);
   TORCH_CHECK(out_features > (strips - 1) * kStripFeatures &&
                   out_features <= strips * kStripFeatures,
               "packed_linear: out_features ", out_features, " does not fit ", strips,
               " strips of ", kStripFeatures);
+}
+
+// [out][in] padded with zeros to whole strips.
+at::Tensor padded_to_strips(const at::Tensor& t) {
+  const int64_t strips = (t.size(0) + kStripFeatures - 1) / kStripFeatures;
+  at::Tensor result = at::zeros({strips * kStripFeatures, t.size(1)}, t.options());
+  result.narrow(0, 0, t.size(0)).copy_(t);
+  return result;
+}
+
+// Blocks [strips][groups][kStrip][block bytes] from each group's header parts ([out][groups]
+// float16 each) and the value bytes, [strips][groups][kStrip][value bytes].
+at::Tensor strip_blocks(at::TensorList header_parts, const at::Tensor& value_bytes) {
+  const int64_t strips = value_bytes.size(0), groups = value_bytes.size(1);
+  const int64_t parts = static_cast<int64_t>(header_parts.size());
+  std::vector<at::Tensor> padded;
+  for (const at::Tensor& part : header_parts) padded.push_back(padded_to_strips(part));
+  // [strip][panel][feature][group][part] -> [strip][group][panel][part][feature]
+  const at::Tensor headers = at::stack(padded, 2)
+                                 .view({strips, kStrip, kFeatures, groups, parts})
+                                 .permute({0, 3, 1, 4, 2})
+                                 .contiguous();
+  return at::cat({headers.view({strips, groups, kStrip, parts * kFeatures}).view(at::kByte),
+                  value_bytes.reshape({strips, groups, kStrip, -1})},
+                 3);
 }
 
 }  // namespace
@@ -322,40 +445,45 @@ at::Tensor pack_q4_1_q8(const at::Tensor& values, const at::Tensor& scales,
                         const at::Tensor& minima) {
   check_avx2("pack_q4_1_q8");
   check_q4_1_inputs("pack_q4_1_q8", values, scales, minima);
-  const int64_t out_features = values.size(0), groups = values.size(1) / kGroup;
-  const int64_t strips = (out_features + kStripFeatures - 1) / kStripFeatures;
-  const auto padded = [&](const at::Tensor& t) {
-    at::Tensor result = at::zeros({strips * kStripFeatures, t.size(1)}, t.options());
-    result.narrow(0, 0, out_features).copy_(t);
-    return result;
-  };
+  const int64_t strips = (values.size(0) + kStripFeatures - 1) / kStripFeatures;
+  const int64_t groups = values.size(1) / kGroup;
   // [strip][panel][feature][group][half][vector][input]
   //   -> [strip][group][panel][vector][feature][input][half]
-  const at::Tensor split = padded(values)
-                               .view({strips, kStrip, kFeatures, groups, 2, kVectors, 4})
+  const at::Tensor split = padded_to_strips(values)
+                               .view({strips, kStrip, kFeatures, groups, 2, Q4_1::kVectors, 4})
                                .permute({0, 3, 1, 5, 2, 6, 4});
-  const at::Tensor bytes = split.select(6, 0).bitwise_or(split.select(6, 1).mul(16));
-  // [strip][panel][feature][group][part] -> [strip][group][panel][part][feature]
-  const at::Tensor headers = at::stack({padded(scales), padded(minima)}, 2)
-                                 .view({strips, kStrip, kFeatures, groups, 2})
-                                 .permute({0, 3, 1, 4, 2})
-                                 .contiguous();
-  return at::cat({headers.view({strips, groups, kStrip, kHeaderBytes / 2}).view(at::kByte),
-                  bytes.reshape({strips, groups, kStrip, kValueBytes})},
-                 3);
+  return strip_blocks({scales, minima}, split.select(6, 0).bitwise_or(split.select(6, 1).mul(16)));
 }
 
-bool is_q4_1_q8(const at::Tensor& packed_weight) {
+// values: [out, in] int8; scales: [out, in / 32] float16 (weight = scale * value), as
+// pagedserve.model.quantization.quantize_q8_0 returns them. Returns uint8 blocks as pack_q4_1_q8
+// does, each a panel's scales and values + 128 over a group.
+at::Tensor pack_q8_0_q8(const at::Tensor& values, const at::Tensor& scales) {
+  check_avx2("pack_q8_0_q8");
+  check_block_inputs("pack_q8_0_q8", values, at::kChar, {scales});
+  const int64_t strips = (values.size(0) + kStripFeatures - 1) / kStripFeatures;
+  const int64_t groups = values.size(1) / kGroup;
+  // [strip][panel][feature][group][vector][input] -> [strip][group][panel][vector][feature][input]
+  const at::Tensor offset = padded_to_strips(values).view(at::kByte).bitwise_xor(128);
+  return strip_blocks({scales}, offset.view({strips, kStrip, kFeatures, groups, Q8_0::kVectors, 4})
+                                    .permute({0, 3, 1, 4, 2, 5}));
+}
+
+bool is_integer_blocks(const at::Tensor& packed_weight) {
   return packed_weight.dim() == 4 && packed_weight.scalar_type() == at::kByte &&
-         packed_weight.size(2) == kStrip && packed_weight.size(3) == kBlockBytes;
+         packed_weight.size(2) == kStrip &&
+         (packed_weight.size(3) == kBlockBytes<Q4_1> || packed_weight.size(3) == kBlockBytes<Q8_0>);
 }
 
-at::Tensor q4_1_q8_linear(const at::Tensor& input, const at::Tensor& packed_weight,
+at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weight,
                           int64_t out_features, const float* bias) {
-  check_avx2("q4_1_q8_linear");
+  check_avx2(packer_name(packed_weight));
   check_packed(packed_weight, input.size(1), out_features);
 #ifdef PAGEDSERVE_HAS_AVX2
-  return product(input.contiguous(), packed_weight, out_features, bias);
+  if (packed_weight.size(3) == kBlockBytes<Q8_0>) {
+    return product<Q8_0>(input.contiguous(), packed_weight, out_features, bias);
+  }
+  return product<Q4_1>(input.contiguous(), packed_weight, out_features, bias);
 #else
   return {};
 #endif
