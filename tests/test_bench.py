@@ -513,7 +513,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert "{{" not in report and "{%" not in report
     targets = report.split("## Engine speed targets")[1].split("###")[0]
     assert targets.count("\n| ") == 1 + len(host.targets)
-    assert len(host.targets) == 9  # no llama.cpp row: the checkpoint is no GGUF file
+    assert len(host.targets) == 10  # no llama.cpp row: the checkpoint is no GGUF file
     d = host.details
     # The ceilings are measured first and again last; the higher of each rate counts.
     stage_names = list(d.stage_seconds)
@@ -583,6 +583,11 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         assert f"{row} {', '.join(f'{run.output_throughput:.1f}' for run in runs)}" in report
         assert f"| {label.format(seats=64)} |" in report
     assert d.seated["q4_1"][0].packed_weight_dtype == "q4_1"
+    # Invariance's price: the default's row against --batch-invariant false's.
+    invariant, variant = (d.fastest_seated(r) for r in ("q4_1", "q4_1, not batch-invariant"))
+    ratio = invariant.output_throughput / variant.output_throughput
+    assert "| 39 | W1 offline, all seated: the batch-invariant default" in targets
+    assert f"| >= 0.95x | {ratio:.2f}x ({invariant.output_throughput:.1f} output" in targets
     # The target rows run float32 packed weights, whatever auto would pick.
     assert "(the rows below pin these unless they say otherwise) | float32 |" in report
     # and so do the commands shown beside them: both policies, the baseline, the sweep, bench
