@@ -48,6 +48,7 @@ def _tiny_config(architecture: str, vocab_size: int):
         MixtralConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
     )
@@ -93,18 +94,21 @@ def _tiny_config(architecture: str, vocab_size: int):
         return MixtralConfig(
             vocab_size=vocab_size, num_local_experts=4, num_experts_per_tok=2, **_TINY_SHAPE
         )
+    # The Qwen mixtures: top 2 of 4 experts, the second layer dense (mlp_only_layers), as a
+    # config may ask.
+    qwen_moe = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1]
+    )
     if architecture == "qwen3-moe":
-        # Qwen3-30B-A3B's shape of config: q and k norms, renormalised top-k weights; the second
-        # layer dense (mlp_only_layers), as a config may ask.
+        # Qwen3-30B-A3B's shape of config: q and k norms, renormalised top-k weights.
         return Qwen3MoeConfig(
-            vocab_size=vocab_size,
-            head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            norm_topk_prob=True,
-            mlp_only_layers=[1],
-            **_TINY_SHAPE,
+            vocab_size=vocab_size, head_dim=16, norm_topk_prob=True, **qwen_moe, **_TINY_SHAPE
+        )
+    if architecture == "qwen2-moe":
+        # Qwen1.5-MoE-A2.7B's: q, k and v biased, a shared expert beside the routed ones, top-k
+        # weights as the softmax gives them.
+        return Qwen2MoeConfig(
+            vocab_size=vocab_size, shared_expert_intermediate_size=96, **qwen_moe, **_TINY_SHAPE
         )
     if architecture == "phi4-mini":
         # Phi-4-mini's: RoPE over the first 3/4 of each head only, longrope, tied embeddings.

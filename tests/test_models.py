@@ -102,15 +102,18 @@ def test_gemma3_matches_transformers(tiny_checkpoint, references):
     assert _generate(llm) == references("gemma3")
 
 
-@pytest.mark.parametrize("architecture", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("architecture", ["mixtral", "qwen3-moe", "qwen2-moe"])
 def test_mixtures_of_experts_match_transformers(architecture, tiny_checkpoint, references):
-    """Mixtral (its w1/w2/w3 experts) and Qwen3-MoE (q and k norms, a dense layer among the
-    sparse ones): top-2 of 4 experts, each expert's maps packed for the C++ kernels."""
+    """Mixtral (its w1/w2/w3 experts), Qwen3-MoE (q and k norms, a dense layer among the sparse
+    ones) and Qwen2-MoE (a gated shared expert): top-2 of 4 experts, each expert's maps packed
+    for the C++ kernels."""
     llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32")
     runner = llm.engine.runner
     assert runner.model_config.num_experts == 4 and runner.packed_weight_dtypes is not None
     experts = runner.model.layers[0].mlp.experts
     assert all(expert.gate_up_proj.method.name == "float32" for expert in experts)
+    shared = runner.model.layers[0].mlp.shared_expert
+    assert (shared is not None) == (architecture == "qwen2-moe")
     assert _generate(llm) == references(architecture)
 
 

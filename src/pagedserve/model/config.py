@@ -18,6 +18,7 @@ MODEL_TYPES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 # RoPE types whose angles transformers' own functions compute (transformers.modeling_rope_utils).
@@ -69,6 +70,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Qwen2-MoE: beside the routed experts, a gated MLP of this size that every token takes, its
+    # output weighted by the sigmoid of its own one-feature gate; 0: none.
+    shared_expert_intermediate_size: int = 0
     # config.json as read, for what transformers computes from it (RoPE's frequencies).
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -112,7 +116,10 @@ class ModelConfig:
             )
         num_heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        # Qwen2 always biases q, k and v; Qwen2-MoE where qkv_bias says so (its default).
+        is_qwen2 = architecture == "Qwen2ForCausalLM" or (
+            architecture == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True)
+        )
         is_gemma = architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         attention_bias = bool(raw.get("attention_bias") or False)
         sliding_window = _sliding_window(raw, architecture)
@@ -228,12 +235,13 @@ def _mlp_activation(raw: dict, is_gemma: bool) -> str:
 
 
 def _experts(raw: dict, architecture: str, num_layers: int) -> dict[str, Any]:
-    """ModelConfig's mixture-of-experts fields: Mixtral's in every layer, Qwen3-MoE's in every
-    decoder_sparse_step-th layer outside mlp_only_layers."""
+    """ModelConfig's mixture-of-experts fields: Mixtral's in every layer, Qwen2-MoE's and
+    Qwen3-MoE's in every decoder_sparse_step-th layer outside mlp_only_layers (Qwen2-MoE's with
+    a shared expert beside the routed ones)."""
     if architecture == "MixtralForCausalLM":
         moe_layers, norm_topk_prob = (True,) * num_layers, True
         intermediate_size = raw["intermediate_size"]
-    elif architecture == "Qwen3MoeForCausalLM":
+    elif architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
         moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
         norm_topk_prob = bool(raw.get("norm_topk_prob", False))
@@ -246,6 +254,7 @@ def _experts(raw: dict, architecture: str, num_layers: int) -> dict[str, Any]:
         num_experts_per_tok=raw["num_experts_per_tok"],
         moe_intermediate_size=intermediate_size,
         norm_topk_prob=norm_topk_prob,
+        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size") or 0,
     )
 
 

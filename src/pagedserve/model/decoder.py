@@ -33,6 +33,7 @@ class DecoderLayer(nn.Module):
                 config.norm_topk_prob,
                 dtype,
                 config.mlp_activation,
+                config.shared_expert_intermediate_size,
             )
         else:
             self.mlp = GatedMLP(

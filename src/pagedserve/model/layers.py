@@ -100,8 +100,10 @@ class GatedMLP(nn.Module):
 class SparseMoE(nn.Module):
     """A mixture of gated-MLP experts. The router picks each token's top_k experts; their outputs,
     weighted by the router's softmax probabilities (renormalised over the top_k where asked), are
-    summed in the order of the experts. Tokens are grouped per expert by one sort, and each
-    expert with tokens runs once on all of them: a loop over the experts, none over tokens.
+    summed in the order of the experts; then, where there is one, a shared expert's output is
+    added, weighted by the sigmoid of its gate (Qwen2-MoE). Tokens are grouped per expert by one
+    sort, and each expert with tokens runs once on all of them: a loop over the experts, none over
+    tokens.
     The router's and each expert's maps are Linears, packed for the C++ kernels as a dense
     MLP's are, so that a token's routing and result never depend on its batch."""
 
@@ -114,6 +116,7 @@ class SparseMoE(nn.Module):
         norm_topk_prob: bool,
         dtype: torch.dtype,
         activation: str = "silu",
+        shared_intermediate_size: int = 0,
     ):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
@@ -122,6 +125,12 @@ class SparseMoE(nn.Module):
             GatedMLP(hidden_size, intermediate_size, False, dtype, activation)
             for _ in range(num_experts)
         )
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(
+                hidden_size, shared_intermediate_size, False, dtype, activation
+            )
+            self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probabilities = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
@@ -137,4 +146,6 @@ class SparseMoE(nn.Module):
         for expert, rows, row_weights in zip(self.experts, tokens, pair_weights, strict=True):
             if len(rows):
                 out.index_add_(0, rows, expert(x[rows]) * row_weights[:, None])
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
