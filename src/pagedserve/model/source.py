@@ -8,6 +8,7 @@ directory, keyed by the file's hash, so that every later start loads it in secon
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -168,10 +169,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 def _check_tensor_types(gguf_path: Path) -> None:
     """Every tensor in a type that gguf can read back as numbers, else an error naming the first
     tensor that is not and its type (rather than transformers' error from deep in its loader)."""
-    from gguf import GGMLQuantizationType, GGUFReader
-    from gguf.quants import _type_traits
+    from gguf import GGUFReader
 
-    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    readable = _readable_gguf_types()
     try:
         tensors = GGUFReader(gguf_path).tensors
     except ValueError as error:  # e.g. a type number this gguf does not know
@@ -183,6 +183,27 @@ def _check_tensor_types(gguf_path: Path) -> None:
                 f"a GGUF type pagedserve cannot load; supported: "
                 f"{', '.join(sorted(t.name for t in readable))}"
             )
+
+
+@functools.cache
+def _readable_gguf_types() -> frozenset:
+    """The GGUF types gguf's dequantize reads back as numbers (as transformers' loader reads
+    them): those it reads one zero block of."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    readable = set()
+    for qtype in GGMLQuantizationType:
+        if qtype not in GGML_QUANT_SIZES:
+            continue
+        _, block_bytes = GGML_QUANT_SIZES[qtype]
+        try:
+            dequantize(np.zeros(block_bytes, dtype=np.uint8), qtype)
+        except (NotImplementedError, ValueError, TypeError):
+            continue
+        readable.add(qtype)
+    return frozenset(readable)
 
 
 @dataclass(frozen=True)
