@@ -1,6 +1,7 @@
 """The models people bring (issue 30): RoPE variants from the config, Phi-3, Gemma 2 and 3, and
-the mixtures of experts Mixtral and Qwen3-MoE, token-exact against transformers' own generate on
-each prompt alone, in float32; hub names from a local cache; a chat template of one's own."""
+the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE, token-exact against transformers' own
+generate on each prompt alone, in float32; hub names from a local cache; a chat template of one's
+own."""
 
 from __future__ import annotations
 

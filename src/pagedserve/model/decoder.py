@@ -1,5 +1,5 @@
 """The decoder-only transformer shared by the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma and
-mixture-of-experts (Mixtral, Qwen3-MoE) families."""
+mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE) families."""
 
 from __future__ import annotations
 

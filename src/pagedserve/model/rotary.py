@@ -74,7 +74,8 @@ class RotaryEmbedding(nn.Module):
         """The config's RoPE, with transformers' frequencies and attention scaling; for a model
         whose layer types each have their own (Gemma 3), that of layer_type (else "all").
         hf_config: config.transformers_config(), where the caller has it already."""
-        hf_config = hf_config or config.transformers_config()
+        if hf_config is None:
+            hf_config = config.transformers_config()
         max_positions = config.max_position_embeddings
         parameters, by_type, rope_type = hf_config.rope_parameters, {}, config.rope_type
         if layer_type != "all":
@@ -88,10 +89,10 @@ class RotaryEmbedding(nn.Module):
 
         compute = ROPE_INIT_FUNCTIONS[rope_type]
         inv_freq, scaling = compute(hf_config, **by_type)
-        if config.rope_type != "longrope":
+        if rope_type != "longrope":
             return cls(inv_freq, max_positions, dtype, scaling)
-        long_after = hf_config.rope_parameters["original_max_position_embeddings"]
-        long_inv_freq, _ = compute(hf_config, seq_len=long_after + 1)
+        long_after = parameters["original_max_position_embeddings"]
+        long_inv_freq, _ = compute(hf_config, seq_len=long_after + 1, **by_type)
         return cls(inv_freq, max_positions, dtype, scaling, long_inv_freq, long_after)
 
     def forward(

@@ -477,7 +477,7 @@ bool is_integer_blocks(const at::Tensor& packed_weight) {
 
 at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weight,
                           int64_t out_features, const float* bias) {
-  check_avx2(packer_name(packed_weight));
+  check_avx2("packed_linear");
   check_packed(packed_weight, input.size(1), out_features);
 #ifdef PAGEDSERVE_HAS_AVX2
   if (packed_weight.size(3) == kBlockBytes<Q8_0>) {
