@@ -450,8 +450,8 @@ def test_gguf_weight_bytes_count_every_tensor_at_its_quantized_size():
 
 def test_report_writes_every_section(checkpoint, tmp_path):
     from pagedserve.bench.cli import main
-    from pagedserve.bench.records import HostResults, output_ratio
-    from pagedserve.bench.render import SEATED_ROWS, step_count_bound
+    from pagedserve.bench.records import HostResults, KQuants, output_ratio
+    from pagedserve.bench.render import SEATED_ROWS, step_count_bound, targets
     from pagedserve.bench.report import POLICIES, ReportConfig, write_report
     from pagedserve.bench.speed import LongPromptLoad
     from pagedserve.model.cpu_features import CpuFeatures
@@ -483,6 +483,27 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     host = HostResults.model_validate_json(results)
     other = host.model_copy(deep=True)
     other.machine.kind, other.date = "other-cpu-avx2", "2026-01-02"
+    # Its run had the GGUF Q4_K_M stage (it needs llama-cpp-python and a GGUF model): figures
+    # of this run's, relabelled.
+    ours_runs = [host.details.single_stream[0], *host.details.single_stream[2:4]]
+    source_run, q4_k_m_run, llama_run = (
+        run.model_copy(update={"name": name})
+        for run, name in zip(
+            ours_runs, ("ours on a.gguf", "ours on a.Q4_K_M.gguf", "llama.cpp"), strict=True
+        )
+    )
+    other.details.k_quants = KQuants(
+        source="a.gguf",
+        gguf="a.Q4_K_M.gguf",
+        file_map_bytes=100 * 2**20,
+        held_map_bytes=105 * 2**20,
+        single_stream=[source_run, q4_k_m_run, llama_run],
+        w1_all_seated=[q4_k_m_run, llama_run],
+    )
+    k_rows = [t for t in targets(other.details, other.machine) if t.number == "30"]
+    assert len(k_rows) == 2 and (k_rows[0].goal, k_rows[0].met) == ("<= 1.15x", True)
+    ratio = q4_k_m_run.decode_tokens_per_s / source_run.decode_tokens_per_s
+    assert k_rows[1].measured.startswith(f"{ratio:.2f}x") and k_rows[1].met == (ratio >= 0.9)
     (tmp_path / "bench" / "other-cpu-avx2").mkdir()
     (tmp_path / "bench" / "other-cpu-avx2" / "results.json").write_text(other.model_dump_json())
     main(["report", "--render-only", "--plots-dir", str(tmp_path / "bench"),
@@ -492,6 +513,8 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert "other-cpu-avx2" not in benchmarks
     assert both.index(f"[{kind}]") < both.index("[other-cpu-avx2](bench/other-cpu-avx2/REPORT.md)")
     assert both.count("## Targets on ") == 2 and both.count("| 6.1 | W1 output tokens/s") == 2
+    assert both.count("GGUF K-quants on ") == 1 and "| ours on a.Q4_K_M.gguf | " in both
+    assert "for the file's\n100 MiB" in both
     assert HostResults.model_validate_json(results) == host  # JSON round trip, field by field
     for plot in ("w1_policies.png", "w1_kv_cache.png", "sweep.png", "seed_timeline.png"):
         assert (host_dir / plot).read_bytes().startswith(b"\x89PNG")

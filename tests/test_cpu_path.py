@@ -108,7 +108,7 @@ def test_kernel_builds_are_kept_apart_by_the_cpu_they_were_built_for():
         ("auto", {"Q8_0"}, {"Q8_0"}, ("q8_0", "q8_0")),
         ("auto", {"BF16"}, {"BF16"}, ("bfloat16", "bfloat16")),
         ("auto", {"Q4_1", "Q8_0"}, {"Q8_0"}, ("float32", "q8_0")),  # mixed: float32 holds any
-        ("auto", {"F16"}, {"F32"}, ("float32", "float32")),
+        ("auto", {"F16"}, {"F32"}, ("float16", "float32")),
         ("q4_1_q8", {"BF16"}, {"BF16"}, ("q4_1_q8", "q8_0_q8")),  # Q4_1 formats keep Q8_0 logits
         ("int8", {"Q4_1"}, {"Q8_0"}, ("int8", "int8")),
     ],

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import gguf
 import pytest
 import torch
 from conftest import reference_greedy
+from gguf_quantize import requantized_default_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve import LLM, SamplingParams
@@ -78,51 +76,21 @@ def test_auto_packs_a_q4_1_gguf_as_q4_1_and_other_checkpoints_as_float32(llm, ti
     assert other.engine.runner.packed_weight_dtypes == ("float32", "float32")
 
 
-def _requantized_gguf(
-    path: Path, map_type: gguf.GGMLQuantizationType, embedding_type: gguf.GGMLQuantizationType
-) -> Path:
-    """Writes the default model's GGUF file to path with its Q4_1 linear maps stored again as
-    map_type and its Q8_0 (tied) embeddings as embedding_type, as llama.cpp would store them;
-    its metadata and other tensors are copied as they are."""
-    reader = gguf.GGUFReader(default_gguf_path())
-    writer = gguf.GGUFWriter(path, reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name != "general.architecture" and not field.name.startswith("GGUF."):
-            value_type = field.types[0]
-            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
-    stored_as = {
-        gguf.GGMLQuantizationType.Q4_1: map_type,
-        gguf.GGMLQuantizationType.Q8_0: embedding_type,
-    }
-    for tensor in reader.tensors:
-        data, tensor_type = tensor.data, tensor.tensor_type
-        if tensor_type in stored_as:
-            weights = gguf.quants.dequantize(data, tensor_type)
-            tensor_type = stored_as[tensor_type]
-            data = gguf.quants.quantize(weights, tensor_type)
-        writer.add_tensor(tensor.name, data, raw_dtype=tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.mark.parametrize(
     ("map_type", "embedding_type", "packed_as"),
     [
         ("Q8_0", "Q8_0", ("q8_0", "q8_0")),
-        # Neither bfloat16 nor Q8_0 holds float16 embeddings exactly; float32 does.
-        ("BF16", "F16", ("bfloat16", "float32")),
+        # Neither bfloat16 nor Q8_0 holds float16 embeddings exactly; float16 panels do.
+        ("BF16", "F16", ("bfloat16", "float16")),
     ],
 )
 def test_auto_packs_a_gguf_as_its_own_types_with_greedy_equal_to_transformers(
     map_type, embedding_type, packed_as, monkeypatch, tmp_path
 ):
-    types = gguf.GGMLQuantizationType
-    path = _requantized_gguf(
-        tmp_path / f"SmolLM2-135M-Instruct.{map_type}.gguf", types[map_type], types[embedding_type]
+    stored_as = {"Q4_1": map_type, "Q8_0": embedding_type}  # the maps', the embeddings'
+    path = requantized_default_gguf(
+        tmp_path / f"SmolLM2-135M-Instruct.{map_type}.gguf",
+        lambda name, stored: stored_as.get(stored, stored),
     )
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # its conversion, gone after
     llm = LLM(str(path), dtype="float32")

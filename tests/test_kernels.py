@@ -296,8 +296,29 @@ def test_packed_linear_rejects_mismatched_inputs():
         linear(torch.zeros(2, 8), int8_packed, 40, None)
     with pytest.raises(RuntimeError, match="scale must be float32 of 40 features"):
         linear(torch.zeros(2, 8), int8_packed, 40, None, torch.ones(40, dtype=torch.float64))
-    with pytest.raises(RuntimeError, match="weight must be a 2-D float32, bfloat16 or int8"):
-        torch.ops.pagedserve.pack_linear_weight(torch.zeros(4, 4, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="weight must be a 2-D float32, bfloat16, float16 or"):
+        torch.ops.pagedserve.pack_linear_weight(torch.zeros(4, 4, dtype=torch.float64))
+
+
+def test_super_block_packers_reject_mismatched_inputs():
+    assert cpu_kernels_available()
+    ops = torch.ops.pagedserve
+    values = torch.zeros(40, 256, dtype=torch.uint8)
+    d = torch.ones(40, 1, dtype=torch.float16)
+    sc = torch.zeros(40, 1, 8, dtype=torch.uint8)
+    ops.pack_q4_k(values, d, d, sc, sc)  # well formed
+    with pytest.raises(RuntimeError, match="pack_q4_k: values must be 0-15"):
+        ops.pack_q4_k(values + 16, d, d, sc, sc)
+    with pytest.raises(RuntimeError, match="128 input features are not whole blocks of 256"):
+        ops.pack_q5_k(values[:, :128], d, d, sc, sc)
+    with pytest.raises(RuntimeError, match=r"d and dmin must be float16 of shape \[40, 1\]"):
+        ops.pack_q4_k(values, d.float(), d, sc, sc)
+    with pytest.raises(
+        RuntimeError, match=r"sc and m must be Char and Char of shape \[40, 1, 16\]"
+    ):
+        ops.pack_q6_k(values, d, d, sc, sc)
+    with pytest.raises(RuntimeError, match="pack_q5_0: values must be 0-31"):
+        ops.pack_q5_0(values[:, :32] + 32, d)
 
 
 @pytest.mark.parametrize("packer", ["pack_q4_1", "pack_q4_1_q8"])
@@ -329,9 +350,9 @@ def test_block_packing_rejects_mismatched_inputs():
         with pytest.raises(RuntimeError, match="48 input features are not whole groups of 32"):
             packer(values[:, :48].to(torch.int8), scales[:, :1])
     packed = pack.pack_q4_1(values, scales, scales)
-    with pytest.raises(RuntimeError, match="is not a pack_linear_weight, pack_q4_1 or pack_q8_0"):
+    with pytest.raises(RuntimeError, match="is not a pack_linear_weight or block packer"):
         linear(torch.zeros(2, 96), packed, 40, None)
-    with pytest.raises(RuntimeError, match="is not a pack_linear_weight, pack_q4_1 or pack_q8_0"):
+    with pytest.raises(RuntimeError, match="is not a pack_linear_weight or block packer"):
         linear(torch.zeros(2, 64), packed.view(-1), 40, None)
     with pytest.raises(RuntimeError, match="scale is required for int8 panels and only for them"):
         linear(torch.zeros(2, 64), packed, 40, None, torch.ones(40))

@@ -8,7 +8,23 @@ from dataclasses import dataclass
 SCHEDULER_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES  # auto: the model's dtype
-PACKED_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "q8_0", "q8_0_q8", "q4_1", "q4_1_q8")
+PACKED_WEIGHT_DTYPES = (
+    "auto",
+    "float32",
+    "bfloat16",
+    "float16",
+    "int8",
+    "q8_0",
+    "q8_0_q8",
+    "q4_1",
+    "q4_1_q8",
+    "q5_0",
+    "q5_1",
+    "q8_min",
+    "q4_k",
+    "q5_k",
+    "q6_k",
+)
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 

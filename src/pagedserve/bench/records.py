@@ -308,6 +308,30 @@ class LlamaCpp(Record):
     w1_all_seated: Run
 
 
+class KQuants(Record):
+    """The model's GGUF file requantized to Q4_K_M by llama.cpp (bench/kquants.py), beside the
+    file it came from and beside llama.cpp on it."""
+
+    source: str  # the file it was made from
+    gguf: str
+    file_map_bytes: int  # what the Q4_K_M file stores for the blocks' linear maps
+    held_map_bytes: int  # what our packed maps hold for them
+    # One request alone, each one's fastest round: ours on the source, ours on Q4_K_M, llama.cpp
+    # on Q4_K_M.
+    single_stream: list[Run]
+    w1_all_seated: list[Run]  # ours on Q4_K_M, llama.cpp on Q4_K_M
+
+    @property
+    def held_ratio(self) -> float:
+        return self.held_map_bytes / self.file_map_bytes
+
+    @property
+    def single_stream_ratio(self) -> float:
+        """Ours on Q4_K_M against ours on the source file, decode tokens/s."""
+        source, q4_k_m, _ = self.single_stream
+        return q4_k_m.decode_tokens_per_s / source.decode_tokens_per_s
+
+
 class SeedTimeline(Record):
     """The seed scenario: the step at which C starts under each policy, and the steps A's seat
     stays idle under static batching."""
@@ -359,6 +383,7 @@ class Details(Record):
     # One request alone, each engine's fastest round: ours, transformers, ours packed narrower.
     single_stream: list[Run]
     llama_cpp: LlamaCpp | None  # None: llama-cpp-python missing, or the model is no GGUF file
+    k_quants: KQuants | None = None  # as llama_cpp; None in results from before it ran
     agreement: list[Agreement]  # greedy outputs of float32 against narrower weights and KV cache
     profiles: list[StepProfile]
     long_prompts: list[LongPromptRun]  # without, then with chunked prefill

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pagedserve.bench.datasets import (
     load_tokenizer,
     w1_requests,
 )
+from pagedserve.bench.kquants import run_k_quants
 from pagedserve.bench.llama_cpp_peer import (
     gguf_weight_bytes,
     llama_cpp_installed,
@@ -40,6 +42,7 @@ from pagedserve.bench.records import (
     Ceilings,
     Details,
     HostResults,
+    KQuants,
     KvUsage,
     LlamaCpp,
     LongPromptRun,
@@ -229,6 +232,7 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
     seated, http_rounds = _w1_seated_rounds(config, requests, stages)
     single_stream = _single_stream_rounds(config, setup, stages)
     llama_cpp = stages.run("llama.cpp", partial(_llama_cpp_runs, config, requests))
+    k_quants = stages.run("GGUF Q4_K_M", partial(_k_quant_runs, config, requests))
     agreement = stages.run("narrow weights agreement", partial(_narrow_weights_agreement, config))
     profiles = stages.run("step profiles", partial(_profile_runs, config))
     long_prompts = stages.run("long prompts", partial(_long_prompt_runs, config))
@@ -257,6 +261,7 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
         http_rounds=http_rounds,
         single_stream=single_stream,
         llama_cpp=llama_cpp,
+        k_quants=k_quants,
         agreement=agreement,
         profiles=profiles,
         long_prompts=long_prompts,
@@ -415,6 +420,24 @@ def _llama_cpp_runs(config: ReportConfig, requests: list[BenchRequest]) -> Llama
         single_stream=fastest_of_rounds(alone),
         w1_all_seated=run_llama_cpp_batched(requests, gguf_path, threads).summary(),
     )
+
+
+def _k_quant_runs(config: ReportConfig, requests: list[BenchRequest]) -> KQuants | None:
+    """The model's GGUF file as Q4_K_M (bench/kquants.py), made in a temporary directory; None
+    where _llama_cpp_runs is."""
+    gguf_path = gguf_file(config.model)
+    if gguf_path is None or not llama_cpp_installed():
+        return None
+    single = fixed_requests(1, *config.single_stream)[0]
+    with tempfile.TemporaryDirectory(prefix="pagedserve-q4_k_m-") as out_dir:
+        return run_k_quants(
+            config.engine_args,
+            gguf_path,
+            Path(out_dir),
+            single,
+            requests,
+            config.single_stream_rounds,
+        )
 
 
 def _narrow_weights_agreement(config: ReportConfig):

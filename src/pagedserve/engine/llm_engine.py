@@ -27,7 +27,7 @@ from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
 from pagedserve.engine.sequence import Sequence
 from pagedserve.engine.static_scheduler import StaticScheduler
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.source import resolve_model_dir
+from pagedserve.model.source import gguf_file, resolve_model_dir
 from pagedserve.outputs import StepOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.timing import PhaseTimer
@@ -57,7 +57,9 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_chat_template(config.chat_template)
         self.eos_token_ids = _eos_token_ids(model_dir, model_config, self.tokenizer)
-        self.runner = ModelRunner(model_dir, model_config, config, self.eos_token_ids)
+        self.runner = ModelRunner(
+            model_dir, model_config, config, self.eos_token_ids, gguf_file(config.model)
+        )
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,

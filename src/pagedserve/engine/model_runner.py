@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,11 +14,19 @@ from pagedserve.engine.sampling_state import SamplingState
 from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
-from pagedserve.model.checkpoint import load_model, stored_weight_types, weights_bytes
+from pagedserve.model.checkpoint import (
+    gguf_linear_parts,
+    load_model,
+    stored_weight_types,
+    weights_bytes,
+)
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.cpu_features import CpuFeatures
+from pagedserve.model.decoder import DecoderModel
+from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.kernels import can_use_cpu_kernels, cpu_kernels_available
-from pagedserve.model.linear_method import PackedFormats, choose_formats
+from pagedserve.model.layers import Linear
+from pagedserve.model.linear_method import PackedFormats, choose_format
 from pagedserve.model.sampler import LogprobsTensors, RowArgmax, sample, torch_row_argmax
 from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.timing import PhaseTimer
@@ -91,6 +100,25 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _linear_formats(
+    model: DecoderModel,
+    name: str,
+    stored: tuple[frozenset[str], frozenset[str]],
+    parts: Mapping[str, list[GGUFPart]],
+) -> dict[str, str]:
+    """The packed format of each linear map, by module name, for --packed-weight-dtype name:
+    choose_format on the types of the map's GGUF blocks where parts has them, else on the types
+    the checkpoint stores its maps (stored[0]) or its output projection (stored[1]) in."""
+    formats = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, Linear):
+            logits = module is model.lm_head
+            blocks = parts.get(module_name)
+            types = {part.type for part in blocks} if blocks else stored[logits]
+            formats[module_name] = choose_format(name, types, logits, from_blocks=bool(blocks))
+    return formats
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -98,7 +126,10 @@ class ModelRunner:
         model_config: ModelConfig,
         config: EngineConfig,
         eos_token_ids: tuple[int, ...],
+        gguf_path: Path | None = None,
     ):
+        """gguf_path: the GGUF file model_dir was converted from, whose own blocks the linear
+        maps are packed from where a format holds them."""
         self.device = resolve_device(config.device)
         kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels_available()
         self.dtype = resolve_dtype(config.dtype, self.device, kernels, CpuFeatures.host())
@@ -122,10 +153,18 @@ class ModelRunner:
         # None: the linear weights are used as loaded, by F.linear.
         self.packed_weight_dtypes: PackedFormats | None = None
         if config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype):
-            self.packed_weight_dtypes = choose_formats(
-                config.packed_weight_dtype, *stored_weight_types(model_dir)
+            parts = {}
+            if gguf_path is not None:
+                hf_config = model_config.transformers_config()
+                parts = gguf_linear_parts(gguf_path, model_config, hf_config)
+            formats = _linear_formats(
+                self.model, config.packed_weight_dtype, stored_weight_types(model_dir), parts
             )
-            self.model.use_cpu_kernels(self.packed_weight_dtypes)
+            self.model.use_cpu_kernels(formats, parts)
+            self.packed_weight_dtypes = PackedFormats(
+                "+".join(sorted({f for name, f in formats.items() if name != "lm_head"})),
+                formats["lm_head"],
+            )
         elif config.packed_weight_dtype not in ("auto", "float32"):
             logger.warning(
                 "packed_weight_dtype %s ignored: weights are packed for float32 on CPU only, "

@@ -10,8 +10,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedserve.model import gguf_blocks
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import DecoderModel
+from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.source import gguf_tensor_types
 
 # Checkpoint projections that DecoderModel keeps fused in one matrix, in concatenation order, by
@@ -94,38 +96,18 @@ def _read_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _remap(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    fused_parts: dict[str, dict[str, torch.Tensor]] = {}
-    part_owner = {part: fused for fused, parts in _FUSED.items() for part in parts}
-
-    def fused_module(module: str) -> str | None:
-        prefix, _, last = module.rpartition(".")
-        fused = part_owner.get(last)
-        return None if fused is None else f"{prefix}.{fused}".lstrip(".")
-
+    fused_parts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        if name.endswith("rotary_emb.inv_freq"):
+        target = _target(name, config)
+        if target is None:
             continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        match = _LAYER_KEY.match(name)
-        if match is None:
-            state[_top_level_name(name)] = tensor
-            continue
-        layer, module, kind = match.groups()
-        for pattern, replacement in _MIXTRAL_NAMES:
-            module = pattern.sub(replacement, module)
-        fused = fused_module(module)
-        if fused is None:
-            state[f"layers.{layer}.{module}.{kind}"] = tensor
+        key, part = target
+        if part is None:
+            state[key] = tensor
         else:
-            fused_parts.setdefault(f"layers.{layer}.{fused}.{kind}", {})[module] = tensor
+            fused_parts.setdefault(key, {})[part] = tensor
     for key, parts in fused_parts.items():
-        module = key.split(".", 2)[2].rsplit(".", 1)[0]
-        prefix, _, fused = module.rpartition(".")
-        order = [f"{prefix}.{part}".lstrip(".") for part in _FUSED[fused]]
-        if set(parts) != set(order):
-            raise ValueError(f"checkpoint has only {sorted(parts)} of the parts of {key}")
-        state[key] = torch.cat([parts[part] for part in order], dim=0)
+        state[key] = torch.cat(_in_order(key, parts), dim=0)
     if config.norm_weight_offset:  # Gemma's norms multiply by (offset + weight)
         for key in state:
             if key.endswith("norm.weight"):
@@ -133,6 +115,62 @@ def _remap(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
     if config.tie_word_embeddings and "embed_tokens" in state:
         state["lm_head.weight"] = state["embed_tokens"]  # the same parameter in DecoderModel
     return state
+
+
+def _target(name: str, config: ModelConfig) -> tuple[str, int | None] | None:
+    """Where a checkpoint tensor goes in DecoderModel: (its key, and its place among a fused
+    map's parts, or None), or None for a tensor DecoderModel does not keep."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return None
+    match = _LAYER_KEY.match(name)
+    if match is None:
+        return _top_level_name(name), None
+    layer, module, kind = match.groups()
+    for pattern, replacement in _MIXTRAL_NAMES:
+        module = pattern.sub(replacement, module)
+    prefix, _, last = module.rpartition(".")
+    for fused, parts in _FUSED.items():
+        if last in parts:
+            module = f"{prefix}.{fused}".lstrip(".")
+            return f"layers.{layer}.{module}.{kind}", parts.index(last)
+    return f"layers.{layer}.{module}.{kind}", None
+
+
+def _in_order(key: str, parts: dict[int, object]) -> list:
+    """A fused map's parts in concatenation order, all of them."""
+    names = _FUSED[key.rsplit(".", 2)[-2]]
+    if set(parts) != set(range(len(names))):
+        have = sorted(names[index] for index in parts)
+        raise ValueError(f"checkpoint has only {have} of the parts of {key}")
+    return [parts[index] for index in range(len(names))]
+
+
+def gguf_linear_parts(gguf_path: Path, config: ModelConfig, hf_config) -> dict[str, list[GGUFPart]]:
+    """The GGUF file's own blocks of each linear map of DecoderModel stored in a block type, by
+    module name (e.g. "layers.0.self_attn.qkv_proj", "lm_head"), a fused map's parts in order.
+    A fused map with a part stored otherwise (e.g. as F16) has none."""
+    parts: dict[str, dict[int, GGUFPart]] = {}
+    whole: dict[str, list[GGUFPart]] = {}
+    for name, part in gguf_blocks.linear_parts(gguf_path, hf_config).items():
+        if name == "model.embed_tokens.weight":  # the output projection too, when tied
+            if config.tie_word_embeddings:
+                whole.setdefault("lm_head", [part])
+            continue
+        target = _target(name, config)
+        if target is None or not target[0].endswith(".weight"):
+            continue
+        key, index = target
+        module = key.removesuffix(".weight")
+        if index is None:
+            whole[module] = [part]
+        else:
+            parts.setdefault(module, {})[index] = part
+    for module, fused in parts.items():
+        if set(fused) == set(range(len(_FUSED[module.rsplit(".", 1)[-1]]))):
+            whole[module] = _in_order(f"{module}.weight", fused)
+    return whole
 
 
 def _top_level_name(name: str) -> str:

@@ -3,11 +3,14 @@ mixture of experts."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.custom_op import CustomOp
+from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.linear_method import LinearMethod
 
 
@@ -22,10 +25,11 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.method = LinearMethod()
 
-    def use_method(self, method: LinearMethod) -> None:
-        """Hands the loaded weight to method, which stores it as it multiplies it."""
+    def use_method(self, method: LinearMethod, parts: Sequence[GGUFPart] = ()) -> None:
+        """Hands the loaded weight (and the GGUF file's blocks of it, where at hand) to method,
+        which stores it as it multiplies it."""
         self.method = method
-        method.process_weights(self)
+        method.process_weights(self, parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)

@@ -4,25 +4,30 @@ A Linear knows only its method: the method turns the loaded weight into what it 
 (process_weights), multiplies (apply) and hands its tensors to the decode-step op
 (decode_weights). LinearMethod is F.linear on the weight as loaded, on any device and dtype. The
 packed formats feed the C++ product (csrc/packed_linear.cpp, float32 inputs on the CPU), from
-panels made once at load time: float32 or bfloat16 weights, int8 values with a scale per output
-feature, or llama.cpp's Q4_1 or Q8_0 blocks (4-bit or 8-bit values in groups of 32 inputs, each
-with a float16 scale, and for Q4_1 a minimum). The arithmetic is float32 in every case but
-q4_1_q8's and q8_0_q8's, whose Q4_1 and Q8_0 blocks are multiplied in integers against inputs
-rounded to 8 bits, as llama.cpp computes them (csrc/integer_linear.cpp).
+panels made once at load time: float32, bfloat16 or float16 weights, int8 values with a scale per
+output feature, or llama.cpp's blocks: Q4_1, Q5_0, Q5_1 or Q8_0 (4-, 5- or 8-bit values in groups
+of 32 inputs, each with a float16 scale, and for Q4_1 and Q5_1 a minimum), and the K-quants'
+super-blocks of 256 inputs (q4_k, q5_k, q6_k); Q5_0, Q5_1 and the K-quants only from a GGUF file's
+own blocks (gguf_blocks.py). The
+arithmetic is float32 in every case but q4_1_q8's and q8_0_q8's, whose Q4_1 and Q8_0 blocks are
+multiplied in integers against inputs rounded to 8 bits, as llama.cpp computes them
+(csrc/integer_linear.cpp).
 
-choose_formats is the policy: --packed-weight-dtype auto keeps the checkpoint's own weights
-exactly, in the format that stores them.
+choose_format is the policy: --packed-weight-dtype auto keeps each map's weights exactly, as
+the checkpoint stores them, in the fewest bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.model import gguf_blocks
+from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.quantization import quantize_int8, quantize_q4_1, quantize_q8_0
 
 # The layer a method serves: a pagedserve.model.layers.Linear (weight, bias, out_features).
@@ -34,8 +39,9 @@ class LinearMethod:
 
     name = "unpacked"
 
-    def process_weights(self, layer: Linear) -> None:
-        """Called once, after the checkpoint's weight is loaded into layer.weight."""
+    def process_weights(self, layer: Linear, parts: Sequence[GGUFPart] = ()) -> None:
+        """Called once, after the checkpoint's weight is loaded into layer.weight; parts: the
+        GGUF file's blocks of the weight, where it has them."""
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -49,23 +55,42 @@ class PackedLinearMethod(LinearMethod):
         name: str,
         bytes_per_weight: float,
         stores: str | None = None,
+        holds: Set[str] = frozenset(),
         logits: str | None = None,
     ):
         self.name = name
-        # Stored bytes per weight, Q4_1's and Q8_0's float16 scales (and minima) included; int8's
-        # one scale per output feature left aside.
+        # Stored bytes per weight, the blocks' scales and minima included; int8's one scale per
+        # output feature left aside.
         self.bytes_per_weight = bytes_per_weight
-        # The checkpoint type (GGUF's or safetensors') this format holds exactly, if any.
+        # The checkpoint type (GGUF's or safetensors') that pack, from the weights as loaded,
+        # holds exactly, if any; and the GGUF types whose blocks the format holds exactly.
         self.stores = stores
+        self.holds = frozenset(holds)
         # The output projection's format beside this one.
         self.logits = logits or name
+
+    # Whether pack makes this format from any float32 weight: the K-quants' come only from a
+    # GGUF file's blocks.
+    packs_floats = True
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(panels, scale) of a float32 [out, in] weight."""
         raise NotImplementedError
 
-    def process_weights(self, layer: Linear) -> None:
-        layer.panels, layer.scale = self.pack(layer.weight.detach().float())
+    def process_weights(self, layer: Linear, parts: Sequence[GGUFPart] = ()) -> None:
+        """Packs the file's own blocks where this format holds them (exact, with no float
+        step), else the loaded weight."""
+        types = {part.type for part in parts}
+        if parts and types <= self.holds and self.name in gguf_blocks.FORMAT_HOLDS:
+            layer.panels, layer.scale = gguf_blocks.pack(self.name, parts), None
+        elif self.packs_floats:
+            layer.panels, layer.scale = self.pack(layer.weight.detach().float())
+        else:
+            stored = ", ".join(sorted(types)) or "not GGUF blocks"
+            raise ValueError(
+                f"packed_weight_dtype {self.name} is made only from a GGUF file's "
+                f"{', '.join(sorted(self.holds))} blocks; this weight is {stored}"
+            )
         layer.weight = None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +105,7 @@ class PackedLinearMethod(LinearMethod):
 
 
 class PackedFloat(PackedLinearMethod):
-    """float32 or bfloat16 panels (bfloat16: each weight rounded)."""
+    """float32, bfloat16 or float16 panels (the last two: each weight rounded)."""
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, None]:
         dtype = getattr(torch, self.name)
@@ -106,42 +131,70 @@ class PackedBlocks(PackedLinearMethod):
         return getattr(torch.ops.pagedserve, f"pack_{self.name}")(*blocks), None
 
 
+class GGUFBlocks(PackedLinearMethod):
+    """Q5_0, Q5_1 or Q8_min blocks or the K-quants' super-blocks, made only from a GGUF file's
+    blocks."""
+
+    packs_floats = False
+
+
 # 4-bit logits lose the most, and int8 ones with a scale per output feature changed greedy
 # outputs that q8_0 ones leave as float32 has them: the Q4_1 formats keep the logits' weights as
 # Q8_0, as Q4_1 GGUF files do (q4_1_q8 in integers too, as llama.cpp computes them).
+_HOLDS = gguf_blocks.FORMAT_HOLDS
 PACKED_FORMATS: dict[str, PackedLinearMethod] = {
     method.name: method
     for method in (
         PackedFloat("float32", 4),
         PackedFloat("bfloat16", 2, stores="BF16"),
+        PackedFloat("float16", 2, stores="F16"),
         PackedInt8("int8", 1),
-        PackedBlocks("q8_0", 34 / 32, stores="Q8_0"),
+        PackedBlocks("q8_0", 34 / 32, stores="Q8_0", holds=_HOLDS["q8_0"]),
         PackedBlocks("q8_0_q8", 34 / 32),
-        PackedBlocks("q4_1", 20 / 32, stores="Q4_1", logits="q8_0"),
+        PackedBlocks("q4_1", 20 / 32, stores="Q4_1", holds=_HOLDS["q4_1"], logits="q8_0"),
         PackedBlocks("q4_1_q8", 20 / 32, logits="q8_0_q8"),
+        GGUFBlocks("q5_0", 22 / 32, holds=_HOLDS["q5_0"], logits="q8_0"),
+        GGUFBlocks("q5_1", 24 / 32, holds=_HOLDS["q5_1"], logits="q8_0"),
+        GGUFBlocks("q8_min", 36 / 32, holds=_HOLDS["q8_min"], logits="q8_0"),
+        GGUFBlocks("q4_k", 148 / 256, holds=_HOLDS["q4_k"], logits="q8_0"),
+        GGUFBlocks("q5_k", 180 / 256, holds=_HOLDS["q5_k"], logits="q8_0"),
+        GGUFBlocks("q6_k", 228 / 256, holds=_HOLDS["q6_k"], logits="q8_0"),
     )
 }
 
 
 class PackedFormats(NamedTuple):
+    """What the linear maps are packed as, for the log: each format in use, sorted, joined by
+    "+" (e.g. "q4_k+q6_k"), for the maps and for the output projection."""
+
     linear_maps: str
     logits: str  # the output projection's
 
 
-def choose_formats(name: str, linear_map_types: Set[str], logits_types: Set[str]) -> PackedFormats:
-    """The formats --packed-weight-dtype name packs the linear maps and the logits as, given the
-    types the checkpoint stores them in (e.g. {"Q4_1"}, {"BF16"}). auto picks, for each, the
-    format that holds those weights exactly in the fewest bytes: the one that stores their single
-    type, else float32, which holds any."""
+def choose_format(name: str, types: Set[str], logits: bool, from_blocks: bool) -> str:
+    """The format --packed-weight-dtype name packs one map as (logits: the output projection),
+    given the types the checkpoint stores it in (e.g. {"Q4_1"}, {"Q4_K", "Q6_K"} for a fused map
+    of parts in both, {"BF16"}); from_blocks: whether the GGUF file's own blocks are at hand.
+    auto picks the format that holds those weights exactly in the fewest bytes: from the blocks
+    (a format holds the GGUF types in its holds), or from the weights as loaded (it holds the
+    one type it stores); float32 holds any."""
     if name != "auto":
-        return PackedFormats(name, PACKED_FORMATS[name].logits)
-    return PackedFormats(_exact_format(linear_map_types), _exact_format(logits_types))
+        return PACKED_FORMATS[name].logits if logits else name
+    holders = [
+        method
+        for method in PACKED_FORMATS.values()
+        if (bool(types) and types <= method.holds if from_blocks else types == {method.stores})
+    ]
+    return min(holders, key=lambda method: method.bytes_per_weight, default=_FLOAT32).name
 
 
-def _exact_format(types: Set[str]) -> str:
-    if len(types) == 1:
-        (stored,) = types
-        for method in PACKED_FORMATS.values():
-            if method.stores == stored:
-                return method.name
-    return "float32"
+_FLOAT32 = PACKED_FORMATS["float32"]
+
+
+def choose_formats(name: str, linear_map_types: Set[str], logits_types: Set[str]) -> PackedFormats:
+    """choose_format for a checkpoint with no GGUF blocks at hand, whose maps all store
+    linear_map_types and whose output projection logits_types."""
+    return PackedFormats(
+        choose_format(name, linear_map_types, logits=False, from_blocks=False),
+        choose_format(name, logits_types, logits=True, from_blocks=False),
+    )

@@ -22,6 +22,16 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor pack_q4_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima);
 at::Tensor pack_q8_0(const at::Tensor& values, const at::Tensor& scales);
+at::Tensor pack_q5_0(const at::Tensor& values, const at::Tensor& scales);
+at::Tensor pack_q8_min(const at::Tensor& values, const at::Tensor& scales,
+                       const at::Tensor& minima);
+at::Tensor pack_q5_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima);
+at::Tensor pack_q4_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
+                     const at::Tensor& sc, const at::Tensor& m);
+at::Tensor pack_q5_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
+                     const at::Tensor& sc, const at::Tensor& m);
+at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
+                     const at::Tensor& sc, const at::Tensor& m);
 int64_t packed_in_features(const at::Tensor& packed_weight);  // what its product takes
 // A block packer's inputs: values [out, in] of values_type, each header part (scales, minima)
 // float16 [out, in / 32]; check_q4_1_inputs adds that the values are 0-15.

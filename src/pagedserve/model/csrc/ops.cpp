@@ -19,6 +19,12 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("pack_q4_1_q8(Tensor values, Tensor scales, Tensor minima) -> Tensor");
   m.def("pack_q8_0(Tensor values, Tensor scales) -> Tensor");
   m.def("pack_q8_0_q8(Tensor values, Tensor scales) -> Tensor");
+  m.def("pack_q5_0(Tensor values, Tensor scales) -> Tensor");
+  m.def("pack_q8_min(Tensor values, Tensor scales, Tensor minima) -> Tensor");
+  m.def("pack_q5_1(Tensor values, Tensor scales, Tensor minima) -> Tensor");
+  m.def("pack_q4_k(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
+  m.def("pack_q5_k(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
+  m.def("pack_q6_k(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
   m.def(
       "packed_linear(Tensor input, Tensor packed_weight, int out_features, Tensor? bias, "
       "Tensor? scale=None) -> Tensor");
@@ -44,6 +50,12 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("pack_q4_1_q8", &pagedserve::pack_q4_1_q8);
   m.impl("pack_q8_0", &pagedserve::pack_q8_0);
   m.impl("pack_q8_0_q8", &pagedserve::pack_q8_0_q8);
+  m.impl("pack_q5_0", &pagedserve::pack_q5_0);
+  m.impl("pack_q8_min", &pagedserve::pack_q8_min);
+  m.impl("pack_q5_1", &pagedserve::pack_q5_1);
+  m.impl("pack_q4_k", &pagedserve::pack_q4_k);
+  m.impl("pack_q5_k", &pagedserve::pack_q5_k);
+  m.impl("pack_q6_k", &pagedserve::pack_q6_k);
   m.impl("packed_linear", &pagedserve::packed_linear);
   m.impl("rms_norm", &pagedserve::rms_norm);
   m.impl("add_rms_norm_", &pagedserve::add_rms_norm_);

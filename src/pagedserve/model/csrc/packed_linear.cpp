@@ -21,9 +21,11 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -60,7 +62,7 @@ constexpr int64_t panels_per_tile(int64_t rows) {
   return rows == 0 ? 1 : std::max<int64_t>(1, kRows / rows);
 }
 
-// Vec::size() consecutive stored weights (or block panels' float16 scales) as floats. Each
+// Vec::size() consecutive stored weights (or block headers' parts) as floats. Each
 // conversion reads its values straight from memory, rather than through at::vec's bfloat16
 // conversion, which loads a whole panel row and splits it.
 template <typename weight_t>
@@ -72,6 +74,9 @@ Vec widen(const weight_t* weights) {
     if constexpr (std::is_same_v<weight_t, int8_t>) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights));
       return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+    } else if constexpr (std::is_same_v<weight_t, uint8_t>) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights));
+      return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
     } else if constexpr (std::is_same_v<weight_t, at::Half>) {
       return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights))));
     } else {  // bfloat16: the upper 16 bits of a float32
@@ -82,6 +87,9 @@ Vec widen(const weight_t* weights) {
     if constexpr (std::is_same_v<weight_t, int8_t>) {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(weights));
       return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+    } else if constexpr (std::is_same_v<weight_t, uint8_t>) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(weights));
+      return Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
     } else if constexpr (std::is_same_v<weight_t, at::Half>) {
       return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(weights))));
     } else {  // bfloat16: the upper 16 bits of a float32
@@ -97,46 +105,133 @@ Vec widen(const weight_t* weights) {
 }
 
 // Block panels, in llama.cpp's formats: each output feature's weights are cut into groups of
-// kGroup inputs, each with a float16 scale, and for Q4_1 a float16 minimum too:
-// Q4_1: weight = scale * value + minimum, values 0-15 (5 bits a weight against int8's 8);
-// Q8_0: weight = scale * value, values -127 to 127 (8.5 bits a weight).
-// So a GGUF checkpoint's Q4_1 and Q8_0 weights are held exactly, where int8 panels with one scale
-// per output feature round them again.
+// inputs, each with a scale, and for some formats a minimum (weight = scale * value + minimum):
+// Q4_1: groups of 32, float16 scales and minima, values 0-15 (5 bits a weight against int8's 8);
+// Q8_0: groups of 32, float16 scales, values -127 to 127 (8.5 bits a weight);
+// Q5_0: groups of 32, float16 scales, values 0-31, minimum -16 * scale (5.5 bits);
+// Q5_1: as Q4_1 with values 0-31 (6 bits);
+// Q8_min: groups of 32, float16 scales and minima, values -128 to 127 (9 bits): holds every
+//   type above, so that a fused map whose parts mix them (Q5_1 queries beside a Q8_0 value
+//   projection) stays exact;
+// Q4_K and Q5_K: super-blocks of 256 inputs with a float16 d and dmin, and each group of 32 a
+//   6-bit sc and m: scale = d * sc, minimum = -(dmin * m), values 0-15 or 0-31 (4.6 and 5.6 bits);
+// Q6_K: super-blocks of 256 with a float16 d and dmin, and each group of 16 an int8 sc and m,
+//   values 0-63 (7.1 bits): GGUF's Q6_K weight d * sc * (q - 32) with dmin = 32 * d and m = sc,
+//   and its Q4_K and Q5_K, so that a fused map whose parts mix them stays exact.
+// So a GGUF checkpoint's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights are held
+// exactly (pagedserve/model/gguf_blocks.py maps each onto these), where int8 panels with one scale
+// per output feature round them again. Every product of d and sc, or dmin and m, is exact in
+// float32 (11 and 8 significant bits), as GGUF's own dequantization computes it.
 //
 // A tile sums x[k] * value over each group from zero, then adds scale * that sum (and minimum *
 // the group's sum of x) to the output: the weights are never formed, so no multiply-add is spent
 // on them, and every tile shape does the same arithmetic in the same order.
-constexpr int64_t kGroup = 32;
 
-// One panel row's kPanel 4-bit values as floats: the low halves of its bytes, then the high.
-std::pair<Vec, Vec> widen_nibbles(const uint8_t* bytes) {
+// One panel row's kPanel 4-bit values as integers: the low halves of its bytes, then the high.
 #if defined(CPU_CAPABILITY_AVX512)
+std::pair<__m512i, __m512i> nibbles_of(const uint8_t* bytes) {
   const __m512i both =
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  return {Vec(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15)))),
-          Vec(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)))};
+  return {_mm512_and_si512(both, _mm512_set1_epi32(15)), _mm512_srli_epi32(both, 4)};
+}
+Vec to_float(__m512i values) { return Vec(_mm512_cvtepi32_ps(values)); }
 #elif defined(CPU_CAPABILITY_AVX2)
+std::pair<__m256i, __m256i> nibbles_of(const uint8_t* bytes) {
   const __m256i both =
       _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-  return {Vec(_mm256_cvtepi32_ps(_mm256_and_si256(both, _mm256_set1_epi32(15)))),
-          Vec(_mm256_cvtepi32_ps(_mm256_srli_epi32(both, 4)))};
-#else
-  float low[Vec::size()], high[Vec::size()];
-  for (int64_t i = 0; i < Vec::size(); ++i) low[i] = bytes[i] & 15, high[i] = bytes[i] >> 4;
-  return {Vec::loadu(low), Vec::loadu(high)};
-#endif
+  return {_mm256_and_si256(both, _mm256_set1_epi32(15)), _mm256_srli_epi32(both, 4)};
 }
+Vec to_float(__m256i values) { return Vec(_mm256_cvtepi32_ps(values)); }
+#endif
 
-// What a block holds. A panel row packs two Q4_1 values a byte: feature i in the low half of byte
-// i, feature i + Vec::size() in the high half, so that one widened load gives both of the row's
-// vectors.
-struct Q4_1 {
-  static constexpr bool kMinima = true;
+// How a panel row holds its values. Nibbles: feature i in the low half of byte i, feature
+// i + Vec::size() in the high half, so that one widened load gives both of the row's vectors.
+// FiveBits: those nibbles, then a bit a feature (feature i in bit i % 8 of byte i / 8) for 16.
+// SixBits: the nibbles, then two bits a feature for 16 and 32. SignedBytes: an int8 a feature.
+struct Nibbles {
   static constexpr int64_t kRowBytes = kPanel / 2;
-  static std::pair<Vec, Vec> widen_row(const uint8_t* row) { return widen_nibbles(row); }
+  static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    const auto [low, high] = nibbles_of(row);
+    return {to_float(low), to_float(high)};
+#else
+    float low[Vec::size()], high[Vec::size()];
+    for (int64_t i = 0; i < Vec::size(); ++i) low[i] = row[i] & 15, high[i] = row[i] >> 4;
+    return {Vec::loadu(low), Vec::loadu(high)};
+#endif
+  }
 };
-struct Q8_0 {
-  static constexpr bool kMinima = false;
+struct FiveBits {
+  static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 8;
+  static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
+    const uint8_t* bits = row + kPanel / 2;
+#if defined(CPU_CAPABILITY_AVX512)
+    auto [low, high] = nibbles_of(row);
+    uint32_t mask;
+    std::memcpy(&mask, bits, sizeof(mask));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    low = _mm512_mask_or_epi32(low, static_cast<__mmask16>(mask), low, sixteen);
+    high = _mm512_mask_or_epi32(high, static_cast<__mmask16>(mask >> 16), high, sixteen);
+    return {to_float(low), to_float(high)};
+#elif defined(CPU_CAPABILITY_AVX2)
+    auto [low, high] = nibbles_of(row);
+    const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const auto fifth_bits = [&](uint8_t byte) {
+      const __m256i set = _mm256_and_si256(_mm256_set1_epi32(byte), lanes);
+      return _mm256_and_si256(_mm256_cmpeq_epi32(set, lanes), _mm256_set1_epi32(16));
+    };
+    return {to_float(_mm256_or_si256(low, fifth_bits(bits[0]))),
+            to_float(_mm256_or_si256(high, fifth_bits(bits[1])))};
+#else
+    float low[Vec::size()], high[Vec::size()];
+    for (int64_t i = 0; i < Vec::size(); ++i) {
+      const int64_t j = i + Vec::size();
+      low[i] = (row[i] & 15) | ((bits[i / 8] >> (i % 8) & 1) << 4);
+      high[i] = (row[i] >> 4) | ((bits[j / 8] >> (j % 8) & 1) << 4);
+    }
+    return {Vec::loadu(low), Vec::loadu(high)};
+#endif
+  }
+};
+struct SixBits {
+  static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 4;
+  static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
+    const uint8_t* pairs = row + kPanel / 2;  // 2 bits a feature: feature i in bits 2i, 2i + 1
+#if defined(CPU_CAPABILITY_AVX512)
+    auto [low, high] = nibbles_of(row);
+    uint32_t words[2];
+    std::memcpy(words, pairs, sizeof(words));
+    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                             28, 30);
+    const auto top_bits = [&](uint32_t word) {
+      const __m512i bits = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts);
+      return _mm512_slli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(3)), 4);
+    };
+    return {to_float(_mm512_or_si512(low, top_bits(words[0]))),
+            to_float(_mm512_or_si512(high, top_bits(words[1])))};
+#elif defined(CPU_CAPABILITY_AVX2)
+    auto [low, high] = nibbles_of(row);
+    uint32_t word;
+    std::memcpy(&word, pairs, sizeof(word));
+    const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const auto top_bits = [&](uint32_t bits) {
+      const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), shifts);
+      return _mm256_slli_epi32(_mm256_and_si256(shifted, _mm256_set1_epi32(3)), 4);
+    };
+    return {to_float(_mm256_or_si256(low, top_bits(word))),
+            to_float(_mm256_or_si256(high, top_bits(word >> 16)))};
+#else
+    float low[Vec::size()], high[Vec::size()];
+    for (int64_t i = 0; i < Vec::size(); ++i) {
+      const int64_t j = i + Vec::size();
+      low[i] = (row[i] & 15) | ((pairs[i / 4] >> (2 * (i % 4)) & 3) << 4);
+      high[i] = (row[i] >> 4) | ((pairs[j / 4] >> (2 * (j % 4)) & 3) << 4);
+    }
+    return {Vec::loadu(low), Vec::loadu(high)};
+#endif
+  }
+};
+struct SignedBytes {
   static constexpr int64_t kRowBytes = kPanel;
   static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
     const auto* values = reinterpret_cast<const int8_t*>(row);
@@ -144,48 +239,118 @@ struct Q8_0 {
   }
 };
 
-// A panel is stored as blocks, one per group: the group's scales (and minima), then its values, so
-// that a tile reads each panel as one stream, as for int8, rather than scales, minima and values
-// from three places.
+// How a block's header gives each group's scale and minimum, as two vectors (half 0 and 1) of
+// the panel's features. Group headers: a block is one group of 32, its header kPanel float16
+// scales, then (kMinima) kPanel float16 minima. Super-block headers: a block is kGroups groups of
+// kGroup (256 inputs), its header kPanel float16 d, kPanel float16 dmin, then kGroups x kPanel
+// sc (sc_t) and kGroups x kPanel m (uint8).
+// Minima: kNone, kStored (the header's), or kHalfRange (-16 * scale: 5-bit values centred on 16,
+// as Q5_0's weight = scale * (value - 16)).
+enum class Minima { kNone, kStored, kHalfRange };
+template <Minima minima>
+struct GroupHeader {
+  static constexpr bool kMinima = minima != Minima::kNone;
+  static constexpr int64_t kGroup = 32, kGroupsPerBlock = 1;
+  static constexpr int64_t kHeaderBytes =
+      (minima == Minima::kStored ? 2 : 1) * kPanel * sizeof(at::Half);
+  static Vec scale(const uint8_t* header, int64_t, int64_t half) {
+    return widen(reinterpret_cast<const at::Half*>(header) + half * Vec::size());
+  }
+  static Vec minimum(const uint8_t* header, int64_t, int64_t half) {
+    if constexpr (minima == Minima::kHalfRange) return scale(header, 0, half) * Vec(-16.0f);
+    return widen(reinterpret_cast<const at::Half*>(header) + kPanel + half * Vec::size());
+  }
+};
+template <int64_t groups, typename sc_t, typename m_t>
+struct SuperBlockHeader {
+  static constexpr bool kMinima = true;
+  static constexpr int64_t kGroup = 256 / groups, kGroupsPerBlock = groups;
+  static constexpr int64_t kHeaderBytes = 2 * kPanel * sizeof(at::Half) + 2 * groups * kPanel;
+  static Vec scale(const uint8_t* header, int64_t group, int64_t half) {
+    const auto* d = reinterpret_cast<const at::Half*>(header);
+    const auto* sc = reinterpret_cast<const sc_t*>(header + 2 * kPanel * sizeof(at::Half));
+    return widen(d + half * Vec::size()) * widen(sc + group * kPanel + half * Vec::size());
+  }
+  static Vec minimum(const uint8_t* header, int64_t group, int64_t half) {
+    const auto* dmin = reinterpret_cast<const at::Half*>(header) + kPanel;
+    const auto* m =
+        reinterpret_cast<const m_t*>(header + 2 * kPanel * sizeof(at::Half) + groups * kPanel);
+    return (widen(dmin + half * Vec::size()) * widen(m + group * kPanel + half * Vec::size()))
+        .neg();
+  }
+};
+
+struct Q4_1 : Nibbles, GroupHeader<Minima::kStored> {};
+struct Q8_0 : SignedBytes, GroupHeader<Minima::kNone> {};
+struct Q5_0 : FiveBits, GroupHeader<Minima::kHalfRange> {};
+struct Q5_1 : FiveBits, GroupHeader<Minima::kStored> {};
+struct Q8_Min : SignedBytes, GroupHeader<Minima::kStored> {};
+struct Q4_K : Nibbles, SuperBlockHeader<8, uint8_t, uint8_t> {};
+struct Q5_K : FiveBits, SuperBlockHeader<8, uint8_t, uint8_t> {};
+struct Q6_K : SixBits, SuperBlockHeader<16, int8_t, int8_t> {};
+
+// A panel is stored as blocks: the block's header, then its values, so that a tile reads each
+// panel as one stream, as for int8, rather than scales, minima and values from three places.
 template <typename Format>
-constexpr int64_t kHeaderBytes = (Format::kMinima ? 2 : 1) * kPanel * sizeof(at::Half);
+constexpr int64_t kBlockInputs = Format::kGroup * Format::kGroupsPerBlock;
 template <typename Format>
-constexpr int64_t kBlockBytes = kHeaderBytes<Format> + kGroup * Format::kRowBytes;
+constexpr int64_t kBlockBytes = Format::kHeaderBytes + kBlockInputs<Format> * Format::kRowBytes;
+
+// packed_linear tells the formats apart by their block sizes.
+template <typename... Formats>
+struct FormatList {};
+using BlockFormats = FormatList<Q4_1, Q8_0, Q5_0, Q5_1, Q8_Min, Q4_K, Q5_K, Q6_K>;
+template <typename... Formats>
+constexpr bool distinct_block_bytes(FormatList<Formats...>) {
+  const int64_t sizes[] = {kBlockBytes<Formats>...};
+  for (const int64_t a : sizes) {
+    int64_t same = 0;
+    for (const int64_t b : sizes) same += a == b;
+    if (same != 1) return false;
+  }
+  return true;
+}
+static_assert(distinct_block_bytes(BlockFormats{}));
 
 // Block panels as stored (value_t uint8_t), or with their values widened once into float32
 // (value_t float, [panels][in_features][kPanel]) for products of many rows.
 template <typename Format, typename value_t>
 struct BlockPanels {
-  const uint8_t* blocks;  // [panels][in_features / kGroup][kBlockBytes<Format>]
+  const uint8_t* blocks;  // [panels][in_features / kBlockInputs<Format>][kBlockBytes<Format>]
   const float* widened;   // nullptr for uint8_t
   int64_t in_features;
-  // Q4_1: the product's input rows, and each row's sum over each group,
-  // [rows][in_features / kGroup].
+  // Formats with minima: the product's input rows, and each row's sum over each group,
+  // [rows][in_features / Format::kGroup].
   const float* inputs;
   const float* input_sums;
 
   BlockPanels at_panel(int64_t p) const {
-    return {blocks + p * in_features / kGroup * kBlockBytes<Format>,
+    return {blocks + p * in_features / kBlockInputs<Format> * kBlockBytes<Format>,
             widened == nullptr ? nullptr : widened + p * in_features * kPanel, in_features, inputs,
             input_sums};
+  }
+  // The block that holds group g.
+  const uint8_t* block_of(int64_t g) const {
+    return blocks + g / Format::kGroupsPerBlock * kBlockBytes<Format>;
   }
   // Row k of the panel, in group g.
   std::pair<Vec, Vec> row(int64_t g, int64_t k) const {
     if constexpr (std::is_same_v<value_t, float>) {
       return {Vec::loadu(widened + k * kPanel), Vec::loadu(widened + k * kPanel + Vec::size())};
     } else {
-      return Format::widen_row(blocks + g * kBlockBytes<Format> + kHeaderBytes<Format> +
-                               (k - g * kGroup) * Format::kRowBytes);
+      return Format::widen_row(block_of(g) + Format::kHeaderBytes +
+                               k % kBlockInputs<Format> * Format::kRowBytes);
     }
   }
   // Half (0: low, 1: high) of group g's scales (part 0) or minima (part 1).
   Vec group_vector(int64_t g, int64_t part, int64_t half) const {
-    const auto* header = reinterpret_cast<const at::Half*>(blocks + g * kBlockBytes<Format>);
-    return widen(header + part * kPanel + half * Vec::size());
+    const int64_t within = g % Format::kGroupsPerBlock;
+    return part == 0 ? Format::scale(block_of(g), within, half)
+                     : Format::minimum(block_of(g), within, half);
   }
   // The group sums of the input row that x points to.
   const float* sums_of(const float* x) const {
-    return input_sums + (x - inputs) / in_features * (in_features / kGroup);
+    return input_sums + (x - inputs) / in_features * (in_features / Format::kGroup);
   }
 };
 
@@ -211,7 +376,7 @@ BlockPanels<Format, float> widen_panels(BlockPanels<Format, uint8_t> panels, int
   for (int64_t p = 0; p < count; ++p) {
     const BlockPanels<Format, uint8_t> panel = panels.at_panel(p);
     for (int64_t k = 0; k < in_features; ++k) {
-      const auto [low, high] = panel.row(k / kGroup, k);
+      const auto [low, high] = panel.row(k / Format::kGroup, k);
       low.store(out + (p * in_features + k) * kPanel);
       high.store(out + (p * in_features + k) * kPanel + Vec::size());
     }
@@ -322,7 +487,7 @@ template <int64_t rows, int64_t panels, typename Format, typename value_t>
                             Epilogue epilogue, float* out, int64_t out_stride, int64_t cols) {
   constexpr int64_t kSums = 2 * panels;
   const float* group_sums = Format::kMinima ? panel.sums_of(x) : nullptr;
-  const int64_t num_groups = in_features / kGroup;
+  const int64_t num_groups = in_features / Format::kGroup;
   float totals[rows][kSums * Vec::size()];
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t j = 0; j < kSums; ++j) {
@@ -336,7 +501,7 @@ template <int64_t rows, int64_t panels, typename Format, typename value_t>
 #pragma GCC unroll 6
       for (int64_t m = 0; m < rows; ++m) sums[m][j] = Vec(0.0f);
     }
-    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+    for (int64_t k = g * Format::kGroup; k < (g + 1) * Format::kGroup; ++k) {
 #pragma GCC unroll 6
       for (int64_t p = 0; p < panels; ++p) {
         const auto [low, high] = panel.at_panel(p).row(g, k);
@@ -467,7 +632,7 @@ void product(const float* x, int64_t num_rows, int64_t in_features, Panels weigh
 }
 
 bool is_weight_type(at::ScalarType type) {
-  return type == at::kFloat || type == at::kBFloat16 || type == at::kChar;
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf || type == at::kChar;
 }
 
 // A float32 value per output feature, readable for `readable` features (whole panels for the
@@ -486,18 +651,98 @@ const float* per_feature(const std::optional<at::Tensor>& values, int64_t featur
   return padded.data_ptr<float>();
 }
 
-// Block panels from each group's header parts ([out][in / kGroup] float16 each: scales, then
-// minima for Q4_1) and the values' panel rows ([panels][in][row bytes], uint8).
+// Block panels from the header parts of each block ([out][blocks] or [out][blocks][n], any
+// dtype), each stored as [n][kPanel] in turn, and the values' panel rows ([panels][in][row bytes],
+// uint8).
 at::Tensor pack_blocks(at::TensorList header_parts, const at::Tensor& value_rows) {
-  const int64_t out_features = header_parts[0].size(0), num_groups = header_parts[0].size(1);
-  const int64_t num_panels = value_rows.size(0), parts = static_cast<int64_t>(header_parts.size());
-  at::Tensor headers = at::zeros({num_panels * kPanel, num_groups, parts}, at::kHalf);
-  headers.narrow(0, 0, out_features).copy_(at::stack(header_parts, 2));
-  headers = headers.view({num_panels, kPanel, num_groups, parts}).permute({0, 2, 3, 1});
-  headers = headers.contiguous();
-  const at::Tensor header_bytes = headers.view({num_panels, num_groups, parts * kPanel});
-  return at::cat(
-      {header_bytes.view(at::kByte), value_rows.reshape({num_panels, num_groups, -1})}, 2);
+  const int64_t num_panels = value_rows.size(0), num_blocks = header_parts[0].size(1);
+  std::vector<at::Tensor> pieces;
+  for (const at::Tensor& given : header_parts) {
+    const at::Tensor part = given.dim() == 2 ? given.unsqueeze(2) : given;
+    at::Tensor padded = at::zeros({num_panels * kPanel, num_blocks, part.size(2)}, part.options());
+    padded.narrow(0, 0, part.size(0)).copy_(part);
+    // [panel][feature][block][n] -> [panel][block][n][feature]
+    padded = padded.view({num_panels, kPanel, num_blocks, part.size(2)}).permute({0, 2, 3, 1});
+    pieces.push_back(padded.contiguous().view({num_panels, num_blocks, -1}).view(at::kByte));
+  }
+  pieces.push_back(value_rows.reshape({num_panels, num_blocks, -1}));
+  return at::cat(pieces, 2);
+}
+
+// Panel rows [panels][in][row bytes] of values [out][in] (uint8), as Nibbles and FiveBits hold
+// them (values below 16 or 32).
+at::Tensor nibble_rows(const at::Tensor& values) {
+  // [panels][in][kPanel], one value a byte, then two
+  const at::Tensor panels = pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte);
+  const at::Tensor low = panels.narrow(2, 0, kPanel / 2).bitwise_and(15);
+  const at::Tensor high = panels.narrow(2, kPanel / 2, kPanel / 2).bitwise_and(15);
+  return low.bitwise_or(high.mul(16));
+}
+at::Tensor five_bit_rows(const at::Tensor& values) {
+  const at::Tensor fifth = pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte).div(
+      16, "floor");  // [panels][in][kPanel], 0 or 1
+  const at::Tensor weights = at::tensor({1, 2, 4, 8, 16, 32, 64, 128}, at::kByte);
+  const at::Tensor bits = fifth.view({fifth.size(0), fifth.size(1), kPanel / 8, 8})
+                              .mul(weights)
+                              .sum(3, false, at::kByte);
+  return at::cat({nibble_rows(values), bits}, 2);
+}
+
+at::Tensor six_bit_rows(const at::Tensor& values) {
+  const at::Tensor top = pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte).div(
+      16, "floor");  // [panels][in][kPanel], 0-3
+  const at::Tensor weights = at::tensor({1, 4, 16, 64}, at::kByte);
+  const at::Tensor pairs = top.view({top.size(0), top.size(1), kPanel / 4, 4})
+                               .mul(weights)
+                               .sum(3, false, at::kByte);
+  return at::cat({nibble_rows(values), pairs}, 2);
+}
+
+template <typename Format>
+void check_format_inputs(const char* op, const at::Tensor& values, at::ScalarType values_type,
+                         int64_t max_value) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == values_type, op, ": values must be a ",
+              "2-D ", values_type, " tensor, got ", values.sizes(), " ", values.scalar_type());
+  TORCH_CHECK(values.size(1) % kBlockInputs<Format> == 0, op, ": ", values.size(1),
+              " input features are not whole blocks of ", kBlockInputs<Format>);
+  if (values_type == at::kByte && values.numel() > 0) {
+    TORCH_CHECK(values.max().item<uint8_t>() <= max_value, op, ": values must be 0-", max_value);
+  }
+}
+
+// A super-block format's header: d and dmin float16 [out][in / 256], sc (sc_type) and m
+// (m_type) [out][in / 256][groups].
+template <typename Format>
+void check_super_block_header(const char* op, const at::Tensor& values, const at::Tensor& d,
+                              const at::Tensor& dmin, const at::Tensor& sc, const at::Tensor& m,
+                              at::ScalarType sc_type, at::ScalarType m_type) {
+  const int64_t out = values.size(0), blocks = values.size(1) / 256;
+  const std::vector<int64_t> block_shape{out, blocks}, group_shape{out, blocks,
+                                                                   Format::kGroupsPerBlock};
+  for (const at::Tensor* part : {&d, &dmin}) {
+    TORCH_CHECK(part->sizes() == block_shape && part->scalar_type() == at::kHalf, op,
+                ": d and dmin must be float16 of shape ", c10::IntArrayRef(block_shape), ", got ",
+                part->sizes(), " ", part->scalar_type());
+  }
+  TORCH_CHECK(sc.sizes() == group_shape && sc.scalar_type() == sc_type && m.sizes() == group_shape &&
+                  m.scalar_type() == m_type,
+              op, ": sc and m must be ", sc_type, " and ", m_type, " of shape ",
+              c10::IntArrayRef(group_shape), ", got ", sc.sizes(), " ", sc.scalar_type(), " and ",
+              m.sizes(), " ", m.scalar_type());
+}
+
+// The block format of packed panels of that many bytes a block: f(Format{}) for it, or false
+// when no format's blocks have that size.
+template <typename F, typename First, typename... Rest>
+bool with_block_format(int64_t block_bytes, F&& f, FormatList<First, Rest...>) {
+  if (block_bytes == kBlockBytes<First>) {
+    f(First{});
+    return true;
+  }
+  if constexpr (sizeof...(Rest) > 0) {
+    return with_block_format(block_bytes, std::forward<F>(f), FormatList<Rest...>{});
+  }
+  return false;
 }
 
 }  // namespace
@@ -506,6 +751,7 @@ namespace pagedserve {
 
 void check_block_inputs(const char* op, const at::Tensor& values, at::ScalarType values_type,
                         at::TensorList header_parts) {
+  constexpr int64_t kGroup = Q4_1::kGroup;  // as Q8_0's
   TORCH_CHECK(values.dim() == 2 && values.scalar_type() == values_type, op, ": values must be a ",
               "2-D ", values_type, " tensor, got ", values.sizes(), " ", values.scalar_type());
   TORCH_CHECK(values.size(1) % kGroup == 0, op, ": ", values.size(1),
@@ -525,11 +771,12 @@ void check_q4_1_inputs(const char* op, const at::Tensor& values, const at::Tenso
   TORCH_CHECK(values.max().item<uint8_t>() < 16, op, ": values must be 0-15");
 }
 
-// The panels keep the weight's dtype: float32, bfloat16, or int8 (quantized values, whose
-// per-feature scales packed_linear takes apart).
+// The panels keep the weight's dtype: float32, bfloat16, float16, or int8 (quantized values,
+// whose per-feature scales packed_linear takes apart).
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && is_weight_type(weight.scalar_type()),
-              "pack_linear_weight: weight must be a 2-D float32, bfloat16 or int8 tensor, got ",
+              "pack_linear_weight: weight must be a 2-D float32, bfloat16, float16 or int8 "
+              "tensor, got ",
               weight.sizes(), " ", weight.scalar_type());
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
@@ -538,28 +785,77 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({panels, kPanel, in_features}).transpose(1, 2).contiguous();
 }
 
-// values: [out, in] uint8, 0-15; scales and minima: [out, in / kGroup] float16, each group's
+// values: [out, in] uint8, 0-15; scales and minima: [out, in / 32] float16, each group's
 // (weight = scale * value + minimum). Returns Q4_1 block panels as packed_linear takes them:
-// uint8, [panels][in / kGroup][block bytes].
+// uint8, [panels][in / 32][block bytes].
 at::Tensor pack_q4_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima) {
   check_q4_1_inputs("pack_q4_1", values, scales, minima);
-  // [panels][in][kPanel], one value a byte, then two
-  const at::Tensor panels = pack_linear_weight(values.to(at::kChar)).to(at::kByte);
-  const at::Tensor low = panels.narrow(2, 0, kPanel / 2);
-  const at::Tensor high = panels.narrow(2, kPanel / 2, kPanel / 2);
-  return pack_blocks({scales, minima}, low.bitwise_or(high.mul(16)));
+  return pack_blocks({scales, minima}, nibble_rows(values));
 }
 
-// values: [out, in] int8, -127 to 127; scales: [out, in / kGroup] float16 (weight = scale *
+// values: [out, in] int8, -127 to 127; scales: [out, in / 32] float16 (weight = scale *
 // value). Returns Q8_0 block panels, as pack_q4_1 does.
 at::Tensor pack_q8_0(const at::Tensor& values, const at::Tensor& scales) {
   check_block_inputs("pack_q8_0", values, at::kChar, {scales});
   return pack_blocks({scales}, pack_linear_weight(values).view(at::kByte));
 }
 
+// values: [out, in] uint8, 0-31; scales: [out, in / 32] float16 (weight = scale * (value - 16)).
+at::Tensor pack_q5_0(const at::Tensor& values, const at::Tensor& scales) {
+  check_block_inputs("pack_q5_0", values, at::kByte, {scales});
+  check_format_inputs<Q5_0>("pack_q5_0", values, at::kByte, 31);
+  return pack_blocks({scales}, five_bit_rows(values));
+}
+
+// values: [out, in] int8; scales and minima: [out, in / 32] float16 (weight = scale * value +
+// minimum).
+at::Tensor pack_q8_min(const at::Tensor& values, const at::Tensor& scales,
+                       const at::Tensor& minima) {
+  check_block_inputs("pack_q8_min", values, at::kChar, {scales, minima});
+  return pack_blocks({scales, minima}, pack_linear_weight(values).view(at::kByte));
+}
+
+// As pack_q4_1, with values 0-31.
+at::Tensor pack_q5_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima) {
+  check_block_inputs("pack_q5_1", values, at::kByte, {scales, minima});
+  check_format_inputs<Q5_1>("pack_q5_1", values, at::kByte, 31);
+  return pack_blocks({scales, minima}, five_bit_rows(values));
+}
+
+// values: [out, in] uint8, 0-15 (Q4_K) or 0-31 (Q5_K); d and dmin: [out, in / 256] float16;
+// sc and m: [out, in / 256, 8] uint8, 0-63 (weight = d * sc * value - dmin * m over each group
+// of 32). Returns super-block panels, [panels][in / 256][block bytes].
+at::Tensor pack_q4_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
+                     const at::Tensor& sc, const at::Tensor& m) {
+  check_format_inputs<Q4_K>("pack_q4_k", values, at::kByte, 15);
+  check_super_block_header<Q4_K>("pack_q4_k", values, d, dmin, sc, m, at::kByte, at::kByte);
+  return pack_blocks({d, dmin, sc, m}, nibble_rows(values));
+}
+at::Tensor pack_q5_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
+                     const at::Tensor& sc, const at::Tensor& m) {
+  check_format_inputs<Q5_K>("pack_q5_k", values, at::kByte, 31);
+  check_super_block_header<Q5_K>("pack_q5_k", values, d, dmin, sc, m, at::kByte, at::kByte);
+  return pack_blocks({d, dmin, sc, m}, five_bit_rows(values));
+}
+
+// values: [out, in] uint8, 0-63; d and dmin: [out, in / 256] float16; sc and m:
+// [out, in / 256, 16] int8 (weight = d * sc * value - dmin * m over each group of 16).
+at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
+                     const at::Tensor& sc, const at::Tensor& m) {
+  check_format_inputs<Q6_K>("pack_q6_k", values, at::kByte, 63);
+  check_super_block_header<Q6_K>("pack_q6_k", values, d, dmin, sc, m, at::kChar, at::kChar);
+  return pack_blocks({d, dmin, sc, m}, six_bit_rows(values));
+}
+
 int64_t packed_in_features(const at::Tensor& packed_weight) {
-  return packed_weight.scalar_type() == at::kByte ? packed_weight.size(1) * kGroup
-                                                  : packed_weight.size(1);
+  int64_t in_features = packed_weight.size(1);
+  if (is_integer_blocks(packed_weight)) return in_features * Q4_1::kGroup;  // as Q8_0's
+  if (packed_weight.scalar_type() == at::kByte) {
+    with_block_format(
+        packed_weight.size(2),
+        [&](auto format) { in_features *= kBlockInputs<decltype(format)>; }, BlockFormats{});
+  }
+  return in_features;
 }
 
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weight,
@@ -577,18 +873,24 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
                           per_feature(bias, out_features, out_features, "bias", padded_bias));
   }
   const int64_t num_rows = input.size(0), in_features = input.size(1);
-  const bool blocks = type == at::kByte;  // Q4_1 or Q8_0, told apart by their block size
+  const bool blocks = type == at::kByte;  // the block formats, told apart by their block size
   const bool three_d = packed_weight.dim() == 3;
-  const int64_t panel_rows = three_d ? packed_weight.size(1) : 0;  // inputs, or groups of them
+  const int64_t panel_rows = three_d ? packed_weight.size(1) : 0;  // inputs, or blocks of them
   const int64_t block_bytes = three_d ? packed_weight.size(2) : 0;
-  const bool shaped =
-      blocks ? in_features % kGroup == 0 && panel_rows == in_features / kGroup &&
-                   (block_bytes == kBlockBytes<Q4_1> || block_bytes == kBlockBytes<Q8_0>)
-             : panel_rows == in_features && block_bytes == kPanel;
+  bool shaped = !blocks && panel_rows == in_features && block_bytes == kPanel;
+  if (blocks) {
+    with_block_format(
+        block_bytes,
+        [&](auto format) {
+          constexpr int64_t kInputs = kBlockInputs<decltype(format)>;
+          shaped = in_features % kInputs == 0 && panel_rows == in_features / kInputs;
+        },
+        BlockFormats{});
+  }
   TORCH_CHECK(three_d && (is_weight_type(type) || blocks) &&
                   packed_weight.is_contiguous() && shaped,
               "packed_linear: packed_weight ", packed_weight.sizes(), " ", type,
-              " is not a pack_linear_weight, pack_q4_1 or pack_q8_0 result for ", in_features,
+              " is not a pack_linear_weight or block packer's result for ", in_features,
               " input features");
   const int64_t panels = packed_weight.size(0);
   TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
@@ -607,18 +909,24 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
     case at::kByte: {
       const uint8_t* block_data = packed_weight.const_data_ptr<uint8_t>();
       const float* rows = x.const_data_ptr<float>();
-      if (block_bytes == kBlockBytes<Q8_0>) {
-        run(BlockPanels<Q8_0, uint8_t>{block_data, nullptr, in_features, rows, nullptr},
-            unscaled);
-        break;
-      }
-      std::vector<float> input_sums(num_rows * in_features / kGroup);
-      for (int64_t i = 0; i < static_cast<int64_t>(input_sums.size()); ++i) {
-        input_sums[i] = at::vec::reduce_all<float>(
-            [](const Vec& a, const Vec& b) { return a + b; }, rows + i * kGroup, kGroup);
-      }
-      run(BlockPanels<Q4_1, uint8_t>{block_data, nullptr, in_features, rows, input_sums.data()},
-          unscaled);
+      with_block_format(
+          block_bytes,
+          [&](auto format) {
+            using Format = decltype(format);
+            std::vector<float> input_sums;
+            if constexpr (Format::kMinima) {
+              input_sums.resize(num_rows * in_features / Format::kGroup);
+              for (int64_t i = 0; i < static_cast<int64_t>(input_sums.size()); ++i) {
+                input_sums[i] = at::vec::reduce_all<float>(
+                    [](const Vec& a, const Vec& b) { return a + b; }, rows + i * Format::kGroup,
+                    Format::kGroup);
+              }
+            }
+            run(BlockPanels<Format, uint8_t>{block_data, nullptr, in_features, rows,
+                                             input_sums.data()},
+                unscaled);
+          },
+          BlockFormats{});
       break;
     }
     case at::kChar:
@@ -626,6 +934,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
           {bias_data, per_feature(scale, out_features, panels * kPanel, "scale", padded_scale)});
       break;
     case at::kBFloat16: run(packed_weight.const_data_ptr<at::BFloat16>(), unscaled); break;
+    case at::kHalf: run(packed_weight.const_data_ptr<at::Half>(), unscaled); break;
     default: run(packed_weight.const_data_ptr<float>(), unscaled);
   }
   return out;

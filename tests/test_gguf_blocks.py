@@ -1,0 +1,137 @@
+"""GGUF files' quantized maps packed from their own blocks: each type read as gguf dequantizes
+it, multiplied by the C++ product of every format that holds it, chosen per map by auto, and a
+model whose maps mix every type generating as transformers does on the same file."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import reference_greedy
+from gguf_quantize import quantize, requantized_default_gguf
+from transformers import AutoModelForCausalLM
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.model import gguf_blocks
+from pagedserve.model.gguf_blocks import BLOCK_TYPES, FORMAT_HOLDS, GGUFPart
+from pagedserve.model.kernels import cpu_kernels_available
+from pagedserve.model.linear_method import PACKED_FORMATS, choose_format
+
+
+def _part(type_name: str, rows: int, inputs: int, seed: int) -> GGUFPart:
+    weights = np.random.default_rng(seed).standard_normal((rows, inputs)) * 0.05
+    return GGUFPart(type_name, quantize(weights, type_name))
+
+
+def _reference(parts: list[GGUFPart]) -> torch.Tensor:
+    """The parts' weights as gguf dequantizes them, one above the other (a fused map)."""
+    return torch.cat(
+        [
+            torch.from_numpy(
+                gguf.quants.dequantize(part.rows, gguf.GGMLQuantizationType[part.type])
+            )
+            for part in parts
+        ]
+    )
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
+def test_each_type_reads_as_gguf_dequantizes_it(type_name):
+    part = _part(type_name, 40, 512, seed=1)
+    assert np.array_equal(gguf_blocks.dequantize(part), _reference([part]).numpy())
+
+
+# Fused maps of parts in one type or several, each with every format that holds all of them.
+FUSED = [
+    *([type_name] for type_name in sorted(BLOCK_TYPES)),
+    ["Q4_K", "Q4_K", "Q6_K"],  # a Q4_K_M file's query, key and value projections
+    ["Q5_0", "Q5_0", "Q8_0"],  # the same where rows are not whole super-blocks
+    ["Q4_0", "Q5_1"],
+    ["Q5_0", "Q4_0"],
+    ["Q5_1", "Q5_1", "Q8_0"],
+    ["Q4_1", "Q8_0", "Q4_0"],
+    ["Q5_K", "Q4_K"],
+]
+
+
+@pytest.mark.parametrize("types", FUSED, ids="+".join)
+def test_every_format_that_holds_the_parts_multiplies_them(types):
+    assert cpu_kernels_available()
+    parts = [_part(type_name, 32 * (i + 1) + 8, 512, seed=i) for i, type_name in enumerate(types)]
+    weight = _reference(parts).double()
+    out_features = weight.shape[0]
+    formats = [name for name, holds in FORMAT_HOLDS.items() if set(types) <= holds]
+    assert formats
+    for name in formats:
+        panels = gguf_blocks.pack(name, parts)
+        for rows in (1, 5, 64):  # one tile, a few rows, and panels widened once
+            x = torch.randn(rows, 512)
+            bias = torch.randn(out_features)
+            expected = x.double() @ weight.T + bias.double()
+            got = torch.ops.pagedserve.packed_linear(x, panels, out_features, bias, None)
+            error = (got.double() - expected).abs().max() / expected.abs().max()
+            assert error < 1e-5, (name, rows)
+
+
+def test_a_format_refuses_parts_it_does_not_hold():
+    with pytest.raises(ValueError, match="q4_k does not hold GGUF Q6_K"):
+        gguf_blocks.pack("q4_k", [_part("Q4_K", 32, 256, 0), _part("Q6_K", 32, 256, 1)])
+
+
+@pytest.mark.parametrize(
+    ("types", "from_blocks", "expected"),
+    [
+        ({"Q4_K"}, True, "q4_k"),
+        ({"Q4_K", "Q6_K"}, True, "q6_k"),
+        ({"Q5_K"}, True, "q5_k"),
+        ({"Q4_0"}, True, "q4_1"),
+        ({"Q5_0"}, True, "q5_0"),
+        ({"Q4_0", "Q5_0"}, True, "q5_0"),
+        ({"Q5_0", "Q8_0"}, True, "q8_0"),
+        ({"Q5_1", "Q8_0"}, True, "q8_min"),  # a Q5_K_M file's queries, keys and values
+        ({"Q4_K", "Q8_0"}, True, "float32"),  # no block format holds both
+        ({"Q4_0"}, False, "float32"),  # Q4_1 blocks made again from its weights could differ
+        ({"Q4_1"}, False, "q4_1"),
+    ],
+)
+def test_auto_packs_each_map_in_the_smallest_format_that_holds_its_parts(
+    types, from_blocks, expected
+):
+    assert choose_format("auto", types, logits=False, from_blocks=from_blocks) == expected
+    holders = [m for m in PACKED_FORMATS.values() if types <= m.holds and from_blocks]
+    assert all(PACKED_FORMATS[expected].bytes_per_weight <= m.bytes_per_weight for m in holders)
+
+
+def _mixed_type(name: str, stored: str) -> str:
+    """Every block type somewhere in the default model: layer i's maps by i % 3 (its down
+    projection's 1536 inputs are whole super-blocks of 256, the others' 576 are not)."""
+    if not name.startswith("blk.") or stored == "F32":
+        return stored
+    layer, kind = int(name.split(".")[1]), name.split(".")[2]
+    mixes = (
+        {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q5_1", "attn_output": "Q5_0",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_K"},
+        {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q8_0",
+         "ffn_gate": "Q5_1", "ffn_up": "Q5_0", "ffn_down": "Q6_K"},
+        {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q4_0",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_K"},
+    )  # fmt: skip
+    return mixes[layer % 3][kind]
+
+
+def test_a_gguf_mixing_every_type_generates_as_transformers_reads_it(monkeypatch, tmp_path):
+    path = requantized_default_gguf(tmp_path / "SmolLM2-135M-Instruct.mixed.gguf", _mixed_type)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # its conversion, gone after
+    llm = LLM(str(path), dtype="float32")
+    runner = llm.engine.runner
+    assert runner.packed_weight_dtypes == ("q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0", "q8_0")
+    qkv = runner.model.layers[1].self_attn.qkv_proj  # Q5_0, Q5_0 and Q8_0: held by q8_0
+    assert qkv.method.name == "q8_0" and qkv.weight is None
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    prompts = ["The history of the Roman Empire", "def fibonacci(n):", "Photosynthesis is"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for output in llm.generate(prompts, params):
+        assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)
