@@ -95,7 +95,7 @@ def test_auto_packs_a_gguf_as_its_own_types_with_greedy_equal_to_transformers(
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # its conversion, gone after
     llm = LLM(str(path), dtype="float32")
     assert gguf_tensor_types(resolve_model_dir(str(path))) == GGUFTensorTypes(
-        frozenset({map_type}), embedding_type
+        frozenset({map_type}), embedding_type, "llama"
     )
     assert llm.engine.runner.packed_weight_dtypes == packed_as
     model = AutoModelForCausalLM.from_pretrained(
@@ -110,7 +110,9 @@ def test_a_conversion_cached_without_the_tensor_types_gains_them(default_model_d
     (default_model_dir / "gguf-tensor-types.json").unlink()
     assert gguf_tensor_types(default_model_dir) is None
     assert resolve_model_dir(None) == default_model_dir
-    assert gguf_tensor_types(default_model_dir) == GGUFTensorTypes(frozenset({"Q4_1"}), "Q8_0")
+    assert gguf_tensor_types(default_model_dir) == GGUFTensorTypes(
+        frozenset({"Q4_1"}), "Q8_0", "llama"
+    )
 
 
 def test_float32_packed_greedy_matches_transformers_on_the_gguf(gguf_reference):

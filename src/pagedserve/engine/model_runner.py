@@ -156,7 +156,7 @@ class ModelRunner:
             parts = {}
             if gguf_path is not None:
                 hf_config = model_config.transformers_config()
-                parts = gguf_linear_parts(gguf_path, model_config, hf_config)
+                parts = gguf_linear_parts(gguf_path, model_dir, model_config, hf_config)
             formats = _linear_formats(
                 self.model, config.packed_weight_dtype, stored_weight_types(model_dir), parts
             )

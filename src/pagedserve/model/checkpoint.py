@@ -147,13 +147,19 @@ def _in_order(key: str, parts: dict[int, object]) -> list:
     return [parts[index] for index in range(len(names))]
 
 
-def gguf_linear_parts(gguf_path: Path, config: ModelConfig, hf_config) -> dict[str, list[GGUFPart]]:
+def gguf_linear_parts(
+    gguf_path: Path, model_dir: Path, config: ModelConfig, hf_config
+) -> dict[str, list[GGUFPart]]:
     """The GGUF file's own blocks of each linear map of DecoderModel stored in a block type, by
-    module name (e.g. "layers.0.self_attn.qkv_proj", "lm_head"), a fused map's parts in order.
-    A fused map with a part stored otherwise (e.g. as F16) has none."""
+    module name (e.g. "layers.0.self_attn.qkv_proj", "lm_head"), a fused map's parts in order;
+    model_dir: the file's conversion, which records where its blocks lie. A fused map with a
+    part stored otherwise (e.g. as F16) has none."""
     parts: dict[str, dict[int, GGUFPart]] = {}
     whole: dict[str, list[GGUFPart]] = {}
-    for name, part in gguf_blocks.linear_parts(gguf_path, hf_config).items():
+    types = gguf_tensor_types(model_dir)
+    if types is None:
+        return whole
+    for name, part in gguf_blocks.linear_parts(gguf_path, types, hf_config).items():
         if name == "model.embed_tokens.weight":  # the output projection too, when tied
             if config.tie_word_embeddings:
                 whole.setdefault("lm_head", [part])

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedserve.model.source import GGUFTensorTypes
+
 # The GGUF types each block format holds exactly (a value range and header that contain
 # the type's).
 FORMAT_HOLDS: dict[str, frozenset[str]] = {
@@ -243,32 +245,32 @@ def _super_block_inputs(format_name: str, decoded: list[_SuperBlocks]) -> list[t
     return [torch.from_numpy(np.ascontiguousarray(array)) for array in arrays]
 
 
-def linear_parts(gguf_path: Path, hf_config) -> dict[str, GGUFPart]:
+def linear_parts(gguf_path: Path, types: GGUFTensorTypes, hf_config) -> dict[str, GGUFPart]:
     """The file's 2-D tensors stored in a block type, by the name transformers gives the
     parameter (e.g. "model.layers.0.self_attn.q_proj.weight"), with their rows permuted as
-    transformers' GGUF loader permutes them (read from the memory map: nothing is copied)."""
-    from gguf import GGUFReader
+    transformers' GGUF loader permutes them; read from a memory map of the file at the places
+    types.blocks records (nothing is copied)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    reader = GGUFReader(gguf_path)
-    architecture = reader.fields["general.architecture"].contents()
+    arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == types.architecture)
+    name_map = get_tensor_name_map(arch, hf_config.num_hidden_layers)
+    processor = TENSOR_PROCESSORS.get(types.architecture, TensorProcessor)(hf_config.to_dict())
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    # GGUF name -> transformers' name, as transformers' get_gguf_hf_weights_map pairs them
+    names = {}
+    for hf_name in model.state_dict():
+        base, dot, suffix = processor.preprocess_name(hf_name).rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            names.setdefault(f"{gguf_name}{dot}{suffix}", hf_name)
     parts = {}
-    for tensor in reader.tensors:
-        type_name = tensor.tensor_type.name
-        if type_name not in BLOCK_TYPES or tensor.data.ndim != 2:
+    for name, (type_name, offset, rows, row_bytes) in types.blocks.items():
+        if type_name not in BLOCK_TYPES or name not in names:
             continue
-        processed = processor.process(
-            weights=tensor.data, name=tensor.name, tensor_key_mapping=names, parsed_parameters={}
-        )
-        if processed.name in names:
-            parts[names[processed.name]] = GGUFPart(type_name, processed.weights)
+        data = np.memmap(gguf_path, np.uint8, mode="r", offset=offset, shape=(rows, row_bytes))
+        processed = processor.process(weights=data, name=name, parsed_parameters={})
+        parts[names[name]] = GGUFPart(type_name, processed.weights)
     return parts

