@@ -41,6 +41,11 @@ def llm(tiny_checkpoint) -> LLM:
         ({"stop": ["a"] * 65}, ["stop", "at most 64"]),
         ({"stop_token_ids": [1] * 1025}, ["stop_token_ids", "at most 1024"]),
         ({"stop": "\ud800"}, ["stop", "surrogate"]),
+        ({"logit_bias": {5: 101}}, ["logit_bias", "bias 101.0 of token 5 is outside [-100, 100]"]),
+        ({"logit_bias": {-1: 1}}, ["logit_bias", "token id -1 is not a token id"]),
+        ({"logit_bias": {5: float("nan")}}, ["logit_bias", "finite"]),
+        ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, ["logit_bias", "at most 1024"]),
+        ({"logit_bias": {"five": 1}}, ["logit_bias", "valid integer"]),
     ],
 )
 def test_sampling_field_errors_name_the_field(fields, expected):
@@ -63,6 +68,7 @@ def test_sampling_field_errors_name_the_field(fields, expected):
         (GOOD_PROMPT, SamplingParams(stop_token_ids=[49152], min_tokens=2), ["stop_token_ids"]),
         ({"prompt_token_ids": [1], "extra": 1}, None, ["extra"]),
         (GOOD_PROMPT, SamplingParams(top_k=49153), ["top_k", "vocabulary of 49152"]),
+        (GOOD_PROMPT, SamplingParams(logit_bias={5: 1, 49152: -3}), ["logit_bias", "49152"]),
         ("Hello \ud800", None, ["prompt", "surrogate", "character 6"]),
         # 1024 tokens of at most 81 characters (the vocabulary's longest): refused untokenized.
         ("x" * 90_000, None, ["prompt", "90000 characters", "82944"]),

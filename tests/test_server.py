@@ -174,8 +174,17 @@ BAD_REQUESTS = [
     ({"top_p": 1.5}, 400, "top_p"),
     ({"prompt": "word " * 1100}, 400, "context"),
     ({"prompt": []}, 400, "prompt"),
-    ({"logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"logit_bias": {"1000000000": 1}}, 400, "logit_bias"),
     ({"suffix": "x"}, 400, "suffix"),
+    ({"echo": True}, 400, "echo"),
+    ({"prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"tool_choice": "required"}, 400, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"guided_regex": "a+"}, 400, "guided_regex"),
+    ({"stream_options": {"continuous_usage_stats": True}}, 400, "continuous_usage_stats"),
     ({"best_of": 3}, 400, "best_of"),
     ({"model": "gpt-7"}, 404, "gpt-7"),
 ]
@@ -205,6 +214,44 @@ async def _bad_beside_good(base_url: str, change: dict) -> tuple[httpx.Response,
         good_response = await good_call
     assert good_response.status_code == 200
     return bad_response, good_response.json()["choices"][0]["text"]
+
+
+def test_logit_bias_forces_and_forbids_tokens(client, offline):
+    forced = offline.generate(PROMPTS[1], _greedy(6).model_copy(update={"logit_bias": {42: 100}}))
+    assert forced[0].outputs[0].token_ids == [42] * 6
+    result = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0, logit_bias={"42": 100},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert result.choices[0].text == forced[0].outputs[0].text
+    first = offline.generate(PROMPTS[1], _greedy(1))[0].outputs[0].token_ids[0]
+    banned = _greedy(6).model_copy(update={"logit_bias": {first: -100}})
+    assert first not in offline.generate(PROMPTS[1], banned)[0].outputs[0].token_ids
+
+
+def test_unknown_fields_are_ignored_and_named_in_the_log_neutral_ones_accepted(server, client):
+    """As vLLM: a field of a newer API is no reason to refuse an answer. Fields of features this
+    server does not have are accepted where they ask for nothing, as LangChain and agent
+    frameworks send them."""
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi", "x_note": "n"}],
+        max_tokens=3,
+        logit_bias={},
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        parallel_tool_calls=False,
+        extra_body={"x_new_field": {"a": 1}, "stream_options": None},
+    )
+    assert chat.choices[0].message.content is not None
+    completion = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=2, suffix="", extra_body={"x_other": 1}
+    )
+    assert len(completion.choices) == 1
+    log = server.log_tail(20_000)
+    assert "ignored unknown request fields: 'x_new_field', 'messages[0].x_note'" in log
+    assert "ignored unknown request fields: 'x_other'" in log
 
 
 def test_harmless_openai_fields_are_accepted(client):

@@ -17,6 +17,8 @@ from pagedserve.validation import as_float32, check_unicode
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_BIAS = 100.0  # OpenAI's range for a bias, either way
 # vLLM's floor: a positive temperature below it would scale logits past float32's range.
 MIN_TEMPERATURE = 0.01
 _INT32_MAX = 2**31 - 1
@@ -56,6 +58,21 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token"
     )
+    logit_bias: Annotated[dict[int, float], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id -> added to its logit before sampling, -100 to 100"
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases_in_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if not value:
+            return None
+        for token, bias in value.items():
+            if not 0 <= token <= _INT32_MAX:
+                raise ValueError(f"token id {token} is not a token id")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ValueError(f"bias {bias} of token {token} is outside [-100, 100]")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod

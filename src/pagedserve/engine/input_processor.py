@@ -67,6 +67,7 @@ class InputProcessor:
             )
         # The sampler bans stop ids by index while a request is short of its min_tokens.
         self._check_in_vocabulary("stop_token_ids", params.stop_token_ids)
+        self._check_in_vocabulary("logit_bias", list(params.logit_bias or ()))
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)

@@ -2,10 +2,11 @@
 in the same order.
 
 A batch of rows is uploaded once: the settings of each row (temperature, top-k/p, min-p, seeds,
-penalties, min_tokens bans, logprobs) and, for rows with penalties, counts of the tokens they
-have seen. While the rows stay the same, a step writes only what moved: every row's output index
-goes up by one, and the token each row drew last step is added to its counts. So a step costs the
-same however long the histories grow, and the values are the ones a fresh upload would give.
+logit biases, penalties, min_tokens bans, logprobs) and, for rows with penalties, counts of the
+tokens they have seen. While the rows stay the same, a step writes only what moved: every row's
+output index goes up by one, and the token each row drew last step is added to its counts. So a
+step costs the same however long the histories grow, and the values are the ones a fresh upload
+would give.
 
 Invariant: between two steps with the same rows, each row gained exactly the one token the
 sampler drew for it (the engine appends every sampled token). Anything else (a row finished,
@@ -91,10 +92,28 @@ class SamplingState:
             num_top = max(params[row].logprobs for row in logprob_rows)
             logprobs = LogprobsRequest(torch.tensor(logprob_rows, device=device), num_top)
         self._batch = SamplingBatch(
+            bias=self._biases(params),
             banned=self._banned() if self._bans is not None else None,
             random=random,
             penalties=self._penalties(seqs),
             logprobs=logprobs,
+        )
+
+    def _biases(self, params: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids, biases) of every row's logit_bias; None when no row sets one."""
+        rows, tokens, biases = [], [], []
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                rows += [row] * len(p.logit_bias)
+                tokens += list(p.logit_bias)
+                biases += list(p.logit_bias.values())
+        if not rows:
+            return None
+        device = self.device
+        return (
+            torch.tensor(rows, device=device),
+            torch.tensor(tokens, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device),
         )
 
     def _ban_table(self, seqs: list[Sequence]):

@@ -1,8 +1,8 @@
 """Batched sampling: one set of tensor operations picks the next token of every sequence.
 
-Order per step: min_tokens bans, then penalties (repetition, frequency, presence); from those
-logits come both the optional logprobs and the choice (greedy argmax, or temperature, top-k,
-top-p, min-p and the draw).
+Order per step: logit biases, min_tokens bans, then penalties (repetition, frequency,
+presence); from those logits come both the optional logprobs and the choice (greedy argmax, or
+temperature, top-k, top-p, min-p and the draw).
 
 Randomness comes from a counter-based hash of (seed, output index, token id) rather than a
 generator's state, so a seeded request draws the same tokens whatever else shares its batch,
@@ -72,6 +72,8 @@ class SamplingBatch:
     """One row per sequence that samples this step. Each optional part is None when no row
     needs it, so a greedy batch builds no tensor for them."""
 
+    # (rows, token ids, biases): added to those logits (logit_bias)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) never drawn
     random: RandomSampling | None = None  # None: every row is greedy
     penalties: PenaltyBatch | None = None
@@ -98,6 +100,9 @@ def sample(
     the rows that asked for them. row_argmax: each row's first largest index, as torch.argmax
     gives it (the C++ kernel, on the CPU, vectorizes what torch compares one value at a
     time)."""
+    if batch.bias is not None:
+        rows, token_ids, biases = batch.bias
+        logits = logits.index_put((rows, token_ids), biases, accumulate=True)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.penalties is not None:

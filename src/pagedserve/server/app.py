@@ -76,6 +76,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
+        _log_unknown_fields(body)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await state.engine.add_requests(body.prompts(), params, request_id)
@@ -85,6 +86,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
+        _log_unknown_fields(body)
         try:
             params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
         except ValidationError as error:
@@ -103,6 +105,21 @@ def build_app(state: ServerState) -> FastAPI:
         return await _respond(state, request, run, streams)
 
     return app
+
+
+def _log_unknown_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """One warning naming the fields the request sent that the server ignored."""
+    names = body.unknown_fields()
+    if names:
+        shown = ", ".join(repr(name) for name in names[:_MAX_NAMED_FIELDS])
+        more = (
+            f" and {len(names) - _MAX_NAMED_FIELDS} more" if len(names) > _MAX_NAMED_FIELDS else ""
+        )
+        logger.warning("ignored unknown request fields: %s%s", shown, more)
+
+
+# A body may send thousands of unknown fields: the log names the first few.
+_MAX_NAMED_FIELDS = 16
 
 
 def _install_error_handlers(app: FastAPI) -> None:

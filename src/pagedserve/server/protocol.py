@@ -1,4 +1,10 @@
-"""OpenAI request bodies, validated by pydantic; fields we do not implement are refused by name.
+"""OpenAI request bodies, validated by pydantic.
+
+Fields no declaration names are ignored (the server logs their names), as vLLM does, so that a
+client sending a field of a newer API version still gets its answer. Fields of features the engine
+does not implement yet (tools, structured outputs, suffix, echo, prompt logprobs) are declared:
+accepted where their value asks for nothing (`tools: []`, `response_format: {"type": "text"}`),
+refused by name otherwise.
 
 Every list is bounded, or checked item by item until the first bad one, so that a body's errors
 are few however large it is; the sampling fields are checked by SamplingParams and what depends on
@@ -8,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from pagedserve.sampling_params import (
     MAX_LOGPROBS,
@@ -22,15 +28,33 @@ MAX_CONTENT_PARTS = 4096
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Lenient(BaseModel):
+    """Unknown fields kept aside (model_extra) to be named in the log, not refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        return [f"{prefix}{name}" for name in self.model_extra or ()]
+
+
+def _refused(field: str, what: str):
+    return ValueError(f"{field}: {what} is not supported by this server yet")
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = None
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _usage_at_the_end(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _refused("continuous_usage_stats", "usage in every chunk")
+        return value
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Lenient):
     """The sampling fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     temperature: float | None = None
@@ -50,6 +74,55 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     best_of: Literal[1] | None = None
+    logit_bias: dict[str, float] | None = None
+    # Declared, not implemented: accepted only where they ask for nothing.
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list | None, info: ValidationInfo) -> list | None:
+        if value:
+            raise _refused(info.field_name, "tool calling")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict | None, info: ValidationInfo):
+        if value not in (None, "none", "auto"):  # with no tools, auto calls none
+            raise _refused(info.field_name, f"tool choice {value!r}")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type") != "text":
+            raise _refused("response_format", f"type {value.get('type')!r} (structured output)")
+        return value
+
+    @field_validator(
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"
+    )
+    @classmethod
+    def _no_guided_decoding(cls, value, info: ValidationInfo):
+        if value is not None:
+            raise _refused(info.field_name, "structured output")
+        return value
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        names = super().unknown_fields(prefix)
+        if self.stream_options is not None:
+            names += self.stream_options.unknown_fields("stream_options.")
+        return names
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         fields: dict[str, Any] = {
@@ -67,6 +140,7 @@ class _GenerationRequest(BaseModel):
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
             "logprobs": logprobs,
+            "logit_bias": self.logit_bias or None,
         }
         # max_tokens None stays: up to the model's context, as OpenAI's chat API and vLLM do.
         set_fields = {k: v for k, v in fields.items() if v is not None}
@@ -82,6 +156,22 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Literal[False] = False
+    suffix: str | None = None
+    prompt_logprobs: int | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _refused("suffix", "text after the insertion point")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise _refused("prompt_logprobs", "the prompt's logprobs")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -135,11 +225,18 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
     name: str | None = None
+    tool_calls: list[Any] | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list | None) -> list | None:
+        if value:
+            raise _refused("tool_calls", "tool calling")
+        return value
 
     def as_template_input(self) -> dict[str, str]:
         content = self.content
@@ -155,6 +252,12 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        names = super().unknown_fields(prefix)
+        for index, message in enumerate(self.messages):
+            names += message.unknown_fields(f"messages[{index}].")
+        return names
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
