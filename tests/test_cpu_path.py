@@ -16,7 +16,7 @@ from pagedserve.config import PACKED_WEIGHT_DTYPES
 from pagedserve.engine.model_runner import resolve_dtype
 from pagedserve.model.cpu_features import CpuFeatures
 from pagedserve.model.kernels import build_directory_of, build_key, cpu_kernels_available
-from pagedserve.model.linear_method import PACKED_FORMATS, choose_formats
+from pagedserve.model.linear_method import PACKED_FORMATS, choose_format
 
 ZEN3_CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -116,7 +116,10 @@ def test_kernel_builds_are_kept_apart_by_the_cpu_they_were_built_for():
 def test_auto_packs_each_weight_in_the_format_that_stores_its_type(
     name, linear_map_types, logits_types, expected
 ):
-    assert choose_formats(name, linear_map_types, logits_types) == expected
+    # A checkpoint whose maps all store linear_map_types, and its logits logits_types.
+    maps = choose_format(name, linear_map_types, logits=False, from_blocks=False)
+    logits = choose_format(name, logits_types, logits=True, from_blocks=False)
+    assert (maps, logits) == expected
 
 
 def test_every_packed_format_is_a_flag_choice_and_every_op_is_registered_in_one_file():

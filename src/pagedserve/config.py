@@ -55,7 +55,7 @@ class EngineConfig:
     # RMSNorm, SwiGLU and rotation with the cache write (pagedserve.model.kernels).
     cpu_kernels: bool = True
     # What those packed weights are stored as (docs/CPU_KERNELS.md has the formats); auto keeps
-    # the checkpoint's own weights exactly (model/linear_method.choose_formats).
+    # the checkpoint's own weights exactly (model/linear_method.choose_format).
     packed_weight_dtype: str = "auto"
     # CPU: decode attention reads the paged cache in place, in C++ (pagedserve.model.kernels).
     decode_kernel: bool = True

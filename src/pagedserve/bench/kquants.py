@@ -24,8 +24,7 @@ from pagedserve.bench.llama_cpp_peer import gguf_weight_bytes, run_llama_cpp, ru
 from pagedserve.bench.offline import run_engine, with_fresh_llm
 from pagedserve.bench.records import KQuants, fastest_of_rounds
 from pagedserve.model.layers import Linear
-
-_LINEAR_MAPS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+from pagedserve.model.source import GGUF_LINEAR_MAPS
 
 
 def q4_k_m_of(gguf_path: Path, out_dir: Path) -> Path:
@@ -84,7 +83,7 @@ def map_bytes(gguf_path: Path) -> int:
     return sum(
         int(tensor.n_bytes)
         for tensor in gguf.GGUFReader(gguf_path).tensors
-        if tensor.name.startswith("blk.") and tensor.name.split(".")[2] in _LINEAR_MAPS
+        if tensor.name.startswith("blk.") and tensor.name.split(".")[2] in GGUF_LINEAR_MAPS
     )
 
 

@@ -155,8 +155,7 @@ class ModelRunner:
         if config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype):
             parts = {}
             if gguf_path is not None:
-                hf_config = model_config.transformers_config()
-                parts = gguf_linear_parts(gguf_path, model_dir, model_config, hf_config)
+                parts = gguf_linear_parts(gguf_path, model_dir, model_config)
             formats = _linear_formats(
                 self.model, config.packed_weight_dtype, stored_weight_types(model_dir), parts
             )

@@ -60,7 +60,7 @@ def weights_bytes(model_dir: Path, dtype: torch.dtype) -> int:
 def stored_weight_types(model_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
     """The types the checkpoint stores its linear maps' and its logits' weights in, e.g.
     ({"Q4_1"}, {"Q8_0"}) for a model converted from such a GGUF file: what
-    linear_method.choose_formats keeps exactly. For safetensors, both are the dtypes of all its
+    linear_method.choose_format keeps exactly. For safetensors, both are the dtypes of all its
     matrices (e.g. {"BF16"}), read from the files' headers only."""
     gguf_types = gguf_tensor_types(model_dir)
     if gguf_types is not None:
@@ -148,7 +148,7 @@ def _in_order(key: str, parts: dict[int, object]) -> list:
 
 
 def gguf_linear_parts(
-    gguf_path: Path, model_dir: Path, config: ModelConfig, hf_config
+    gguf_path: Path, model_dir: Path, config: ModelConfig
 ) -> dict[str, list[GGUFPart]]:
     """The GGUF file's own blocks of each linear map of DecoderModel stored in a block type, by
     module name (e.g. "layers.0.self_attn.qkv_proj", "lm_head"), a fused map's parts in order;
@@ -159,7 +159,9 @@ def gguf_linear_parts(
     types = gguf_tensor_types(model_dir)
     if types is None:
         return whole
-    for name, part in gguf_blocks.linear_parts(gguf_path, types, hf_config).items():
+    for name, part in gguf_blocks.linear_parts(
+        gguf_path, types, config.transformers_config
+    ).items():
         if name == "model.embed_tokens.weight":  # the output projection too, when tied
             if config.tie_word_embeddings:
                 whole.setdefault("lm_head", [part])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,8 +160,10 @@ class ModelConfig:
             raw=raw,
         )
 
+    @functools.cached_property
     def transformers_config(self):
-        """The transformers config of this model, as its RoPE functions take it."""
+        """The transformers config of this model, as its RoPE functions and its GGUF tensor
+        names take it; built once."""
         from transformers import AutoConfig
 
         settings = {key: value for key, value in self.raw.items() if key != "model_type"}

@@ -101,9 +101,8 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens
         # One per layer type where each has its own RoPE (Gemma 3), else one for every layer.
         kinds = sorted(set(config.layer_types)) if config.rope_per_layer_type else ["all"]
-        hf_config = config.transformers_config()
         self.rotary = nn.ModuleDict(
-            {kind: RotaryEmbedding.from_config(config, dtype, kind, hf_config) for kind in kinds}
+            {kind: RotaryEmbedding.from_config(config, dtype, kind) for kind in kinds}
         )
         # Set by use_cpu_kernels where every layer runs its C++ kernels: the weights of the op
         # that runs a decode-only step's layers in one call (csrc/decode_layers.cpp).

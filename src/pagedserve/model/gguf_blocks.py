@@ -88,24 +88,28 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     return ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
 
 
+def _half(part: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float16."""
+    return part.copy().view(np.float16)[..., 0]
+
+
 def _decode_group(type_name: str, blocks: np.ndarray) -> _GroupBlocks:
     out, count, _ = blocks.shape
-    as_half = lambda part: part.copy().view(np.float16)[..., 0]  # noqa: E731
     m = None
     if type_name == "Q8_0":
         d, qs = _split(blocks, 2)
         values, offset = qs.view(np.int8).astype(np.int16), 0
     elif type_name in ("Q4_0", "Q4_1"):
         d, *rest = _split(blocks, 2, 2) if type_name == "Q4_1" else _split(blocks, 2)
-        m, qs = (as_half(rest[0]), rest[1]) if type_name == "Q4_1" else (None, rest[0])
+        m, qs = (_half(rest[0]), rest[1]) if type_name == "Q4_1" else (None, rest[0])
         offset = 0 if type_name == "Q4_1" else 8
         values = _halves(qs).astype(np.int16) - offset
     else:  # Q5_0, Q5_1
         d, *rest = _split(blocks, 2, 2, 4) if type_name == "Q5_1" else _split(blocks, 2, 4)
-        m, qh, qs = (as_half(rest[0]), *rest[1:]) if type_name == "Q5_1" else (None, *rest)
+        m, qh, qs = (_half(rest[0]), *rest[1:]) if type_name == "Q5_1" else (None, *rest)
         offset = 0 if type_name == "Q5_1" else 16
         values = (_halves(qs).astype(np.int16) | _fifth_bits(qh)) - offset
-    return _GroupBlocks(values.reshape(out, count * 32), as_half(d), m, offset)
+    return _GroupBlocks(values.reshape(out, count * 32), _half(d), m, offset)
 
 
 def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -118,7 +122,6 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _decode_super(type_name: str, blocks: np.ndarray) -> _SuperBlocks:
     out, count, _ = blocks.shape
-    half = lambda part: part.copy().view(np.float16)[..., 0]  # noqa: E731
     if type_name == "Q6_K":
         ql, qh, scales, d = _split(blocks, 128, 64, 16)
         # Each half of 128 values: ql's 64 bytes give values 0-63 (low halves) and 64-127 (high
@@ -129,7 +132,7 @@ def _decode_super(type_name: str, blocks: np.ndarray) -> _SuperBlocks:
         high = (high & 3).reshape(out, count, 2, 4, 32)
         values = (low | (high << 4)).astype(np.int16) - 32
         sc = scales.view(np.int8).astype(np.int16)
-        return _SuperBlocks(values.reshape(out, count * 256), half(d), None, sc, None)
+        return _SuperBlocks(values.reshape(out, count * 256), _half(d), None, sc, None)
     d, dmin, scales, rest = _split(blocks, 2, 2, 12)
     qh, qs = _split(rest, 32) if type_name == "Q5_K" else (None, rest)
     # 4 chunks of 32 bytes, each the low halves of group 2c and the high halves of group 2c + 1
@@ -140,7 +143,7 @@ def _decode_super(type_name: str, blocks: np.ndarray) -> _SuperBlocks:
         values |= bits.astype(np.int16) << 4
     sc, m = _scale_min_k4(scales)
     return _SuperBlocks(
-        values.reshape(out, count * 256), half(d), half(dmin), sc.astype(np.int16), m
+        values.reshape(out, count * 256), _half(d), _half(dmin), sc.astype(np.int16), m
     )
 
 

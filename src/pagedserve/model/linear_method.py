@@ -8,10 +8,9 @@ panels made once at load time: float32, bfloat16 or float16 weights, int8 values
 output feature, or llama.cpp's blocks: Q4_1, Q5_0, Q5_1 or Q8_0 (4-, 5- or 8-bit values in groups
 of 32 inputs, each with a float16 scale, and for Q4_1 and Q5_1 a minimum), and the K-quants'
 super-blocks of 256 inputs (q4_k, q5_k, q6_k); Q5_0, Q5_1 and the K-quants only from a GGUF file's
-own blocks (gguf_blocks.py). The
-arithmetic is float32 in every case but q4_1_q8's and q8_0_q8's, whose Q4_1 and Q8_0 blocks are
-multiplied in integers against inputs rounded to 8 bits, as llama.cpp computes them
-(csrc/integer_linear.cpp).
+own blocks (gguf_blocks.py). The arithmetic is float32 in every case but q4_1_q8's and q8_0_q8's,
+whose Q4_1 and Q8_0 blocks are multiplied in integers against inputs rounded to 8 bits, as
+llama.cpp computes them (csrc/integer_linear.cpp).
 
 choose_format is the policy: --packed-weight-dtype auto keeps each map's weights exactly, as
 the checkpoint stores them, in the fewest bytes.
@@ -81,7 +80,7 @@ class PackedLinearMethod(LinearMethod):
         """Packs the file's own blocks where this format holds them (exact, with no float
         step), else the loaded weight."""
         types = {part.type for part in parts}
-        if parts and types <= self.holds and self.name in gguf_blocks.FORMAT_HOLDS:
+        if parts and types <= self.holds:  # only block formats hold GGUF types
             layer.panels, layer.scale = gguf_blocks.pack(self.name, parts), None
         elif self.packs_floats:
             layer.panels, layer.scale = self.pack(layer.weight.detach().float())
@@ -189,12 +188,3 @@ def choose_format(name: str, types: Set[str], logits: bool, from_blocks: bool) -
 
 
 _FLOAT32 = PACKED_FORMATS["float32"]
-
-
-def choose_formats(name: str, linear_map_types: Set[str], logits_types: Set[str]) -> PackedFormats:
-    """choose_format for a checkpoint with no GGUF blocks at hand, whose maps all store
-    linear_map_types and whose output projection logits_types."""
-    return PackedFormats(
-        choose_format(name, linear_map_types, logits=False, from_blocks=False),
-        choose_format(name, logits_types, logits=True, from_blocks=False),
-    )

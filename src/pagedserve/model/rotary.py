@@ -69,13 +69,11 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def from_config(
-        cls, config: ModelConfig, dtype: torch.dtype, layer_type: str = "all", hf_config=None
+        cls, config: ModelConfig, dtype: torch.dtype, layer_type: str = "all"
     ) -> RotaryEmbedding:
         """The config's RoPE, with transformers' frequencies and attention scaling; for a model
-        whose layer types each have their own (Gemma 3), that of layer_type (else "all").
-        hf_config: config.transformers_config(), where the caller has it already."""
-        if hf_config is None:
-            hf_config = config.transformers_config()
+        whose layer types each have their own (Gemma 3), that of layer_type (else "all")."""
+        hf_config = config.transformers_config
         max_positions = config.max_position_embeddings
         parameters, by_type, rope_type = hf_config.rope_parameters, {}, config.rope_type
         if layer_type != "all":

@@ -28,7 +28,7 @@ _COMPLETE_MARKER = "pagedserve-converted"
 # a start reads them without parsing the file's metadata again (seconds for a tokenizer's
 # vocabulary).
 _TENSOR_TYPES_FILE = "gguf-tensor-types.json"
-_GGUF_LINEAR_MAPS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+GGUF_LINEAR_MAPS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -248,7 +248,7 @@ def _record_tensor_types(gguf_path: Path, out_dir: Path) -> None:
     linear_maps = {
         tensor_type
         for name, tensor_type in types.items()
-        if name.startswith("blk.") and name.split(".")[2] in _GGUF_LINEAR_MAPS
+        if name.startswith("blk.") and name.split(".")[2] in GGUF_LINEAR_MAPS
     }
     logits = types.get("output.weight", types["token_embd.weight"])
     # Written whole and then renamed: two processes starting on the same cache at once each

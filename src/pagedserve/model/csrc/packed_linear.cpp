@@ -698,16 +698,21 @@ at::Tensor six_bit_rows(const at::Tensor& values) {
   return at::cat({nibble_rows(values), pairs}, 2);
 }
 
-template <typename Format>
-void check_format_inputs(const char* op, const at::Tensor& values, at::ScalarType values_type,
-                         int64_t max_value) {
-  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == values_type, op, ": values must be a ",
-              "2-D ", values_type, " tensor, got ", values.sizes(), " ", values.scalar_type());
-  TORCH_CHECK(values.size(1) % kBlockInputs<Format> == 0, op, ": ", values.size(1),
-              " input features are not whole blocks of ", kBlockInputs<Format>);
-  if (values_type == at::kByte && values.numel() > 0) {
+// values (uint8) at most max_value.
+void check_values_at_most(const char* op, const at::Tensor& values, int64_t max_value) {
+  if (values.numel() > 0) {
     TORCH_CHECK(values.max().item<uint8_t>() <= max_value, op, ": values must be 0-", max_value);
   }
+}
+
+// A super-block format's values: uint8 [out][in], in whole blocks, at most max_value.
+template <typename Format>
+void check_format_inputs(const char* op, const at::Tensor& values, int64_t max_value) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kByte, op, ": values must be a ",
+              "2-D ", at::kByte, " tensor, got ", values.sizes(), " ", values.scalar_type());
+  TORCH_CHECK(values.size(1) % kBlockInputs<Format> == 0, op, ": ", values.size(1),
+              " input features are not whole blocks of ", kBlockInputs<Format>);
+  check_values_at_most(op, values, max_value);
 }
 
 // A super-block format's header: d and dmin float16 [out][in / 256], sc (sc_type) and m
@@ -803,7 +808,7 @@ at::Tensor pack_q8_0(const at::Tensor& values, const at::Tensor& scales) {
 // values: [out, in] uint8, 0-31; scales: [out, in / 32] float16 (weight = scale * (value - 16)).
 at::Tensor pack_q5_0(const at::Tensor& values, const at::Tensor& scales) {
   check_block_inputs("pack_q5_0", values, at::kByte, {scales});
-  check_format_inputs<Q5_0>("pack_q5_0", values, at::kByte, 31);
+  check_values_at_most("pack_q5_0", values, 31);
   return pack_blocks({scales}, five_bit_rows(values));
 }
 
@@ -818,7 +823,7 @@ at::Tensor pack_q8_min(const at::Tensor& values, const at::Tensor& scales,
 // As pack_q4_1, with values 0-31.
 at::Tensor pack_q5_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima) {
   check_block_inputs("pack_q5_1", values, at::kByte, {scales, minima});
-  check_format_inputs<Q5_1>("pack_q5_1", values, at::kByte, 31);
+  check_values_at_most("pack_q5_1", values, 31);
   return pack_blocks({scales, minima}, five_bit_rows(values));
 }
 
@@ -827,13 +832,13 @@ at::Tensor pack_q5_1(const at::Tensor& values, const at::Tensor& scales, const a
 // of 32). Returns super-block panels, [panels][in / 256][block bytes].
 at::Tensor pack_q4_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                      const at::Tensor& sc, const at::Tensor& m) {
-  check_format_inputs<Q4_K>("pack_q4_k", values, at::kByte, 15);
+  check_format_inputs<Q4_K>("pack_q4_k", values, 15);
   check_super_block_header<Q4_K>("pack_q4_k", values, d, dmin, sc, m, at::kByte, at::kByte);
   return pack_blocks({d, dmin, sc, m}, nibble_rows(values));
 }
 at::Tensor pack_q5_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                      const at::Tensor& sc, const at::Tensor& m) {
-  check_format_inputs<Q5_K>("pack_q5_k", values, at::kByte, 31);
+  check_format_inputs<Q5_K>("pack_q5_k", values, 31);
   check_super_block_header<Q5_K>("pack_q5_k", values, d, dmin, sc, m, at::kByte, at::kByte);
   return pack_blocks({d, dmin, sc, m}, five_bit_rows(values));
 }
@@ -842,7 +847,7 @@ at::Tensor pack_q5_k(const at::Tensor& values, const at::Tensor& d, const at::Te
 // [out, in / 256, 16] int8 (weight = d * sc * value - dmin * m over each group of 16).
 at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                      const at::Tensor& sc, const at::Tensor& m) {
-  check_format_inputs<Q6_K>("pack_q6_k", values, at::kByte, 63);
+  check_format_inputs<Q6_K>("pack_q6_k", values, 63);
   check_super_block_header<Q6_K>("pack_q6_k", values, d, dmin, sc, m, at::kChar, at::kChar);
   return pack_blocks({d, dmin, sc, m}, six_bit_rows(values));
 }
