@@ -397,6 +397,20 @@ def test_decode_step_profile_times_the_whole_batch_after_long_prompts(checkpoint
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_constrained_steps_time_the_same_batch_with_and_without_masks(checkpoint):
+    from pagedserve.bench.speed import STEP_PHASES, constrained_steps
+
+    llm = LLM(str(checkpoint), dtype="float32", max_num_seqs=3)
+    measured = [constrained_steps(llm, batch, prompt_len=5, steps=3) for batch in (1, 3)]
+    for steps in measured:
+        assert set(steps.phase_ms) == set(steps.constrained_phase_ms) == set(STEP_PHASES)
+        assert 0 < sum(steps.phase_ms.values()) <= steps.step_ms
+        assert 0 < sum(steps.constrained_phase_ms.values()) <= steps.constrained_step_ms
+        assert steps.constraint == "[a-z ]{400}"
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_long_prompt_load_serves_every_token(checkpoint, chunked):
     from pagedserve.bench.speed import LongPromptLoad, run_long_prompt_load
@@ -472,6 +486,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         agreement_requests=2,
         agreement_output_len=4,
         profile_batches=(1, 4),
+        constrained_batches=(1, 3),
         long_prompt_load=LongPromptLoad(4, 4, 8, 48, 2, (0.0,)),
         chunked_budget=16,
     )
@@ -514,6 +529,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert both.index(f"[{kind}]") < both.index("[other-cpu-avx2](bench/other-cpu-avx2/REPORT.md)")
     assert both.count("## Targets on ") == 2 and both.count("| 6.1 | W1 output tokens/s") == 2
     assert both.count("GGUF K-quants on ") == 1 and "| ours on a.Q4_K_M.gguf | " in both
+    assert both.count("Structured outputs on ") == 2
     assert "for the file's\n100 MiB" in both
     assert HostResults.model_validate_json(results) == host  # JSON round trip, field by field
     for plot in ("w1_policies.png", "w1_kv_cache.png", "sweep.png", "seed_timeline.png"):
@@ -530,6 +546,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         "## Engine speed targets",
         "### W1 with every request seated: offline and over HTTP",
         "### Where a decode step's time goes",
+        "### What structured outputs cost per step",
         "### Long prompts arriving: chunked prefill",
     ):
         assert heading in report

@@ -42,7 +42,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    # "stop", "length", "abort", or "error" (a constraint that admitted no token)
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[SampleLogprobs] | None = None  # one per token id; None unless asked for
 

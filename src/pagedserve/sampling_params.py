@@ -8,9 +8,11 @@ vocabulary, the context) is checked by the engine when the request arrives.
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+import sys
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pagedserve.validation import as_float32, check_unicode
 
@@ -19,9 +21,86 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_BIAS = 100.0  # OpenAI's range for a bias, either way
+MAX_CHOICES = 1024  # strings one choice constraint may list
+# Nesting of a JSON schema's document (its objects and arrays; a nested object property costs
+# two levels): xgrammar's compile time grows steeply with it, 0.03 s at 100 levels, 7 s at 800,
+# minutes at 4,000.
+MAX_SCHEMA_DEPTH = 64
 # vLLM's floor: a positive temperature below it would scale logits past float32's range.
 MIN_TEMPERATURE = 0.01
 _INT32_MAX = 2**31 - 1
+
+
+class StructuredOutputsParams(BaseModel):
+    """A constraint on the output, in vLLM's names: exactly one of a JSON schema (`json`), any
+    JSON object (`json_object`), a regular expression, a list of strings to choose from, or a
+    grammar in EBNF (GBNF, as llama.cpp writes it). The engine compiles it with xgrammar when the
+    request arrives; a constraint xgrammar refuses is a FieldError naming structured_outputs.
+    The schema is given as `json` and read as `json_` (BaseModel has a method named json)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = None
+
+    @field_validator("json_", "regex", "grammar", "choice")
+    @classmethod
+    def _valid_unicode(cls, value, info: ValidationInfo):
+        texts = value if isinstance(value, list) else [value]
+        for text in texts:
+            if isinstance(text, str):
+                check_unicode(info.field_name.rstrip("_"), text)
+        return value
+
+    @field_validator("json_")
+    @classmethod
+    def _schema_not_too_deep(cls, value: str | dict[str, Any] | None):
+        if value is not None:
+            depth = json_depth(value)
+            if depth > MAX_SCHEMA_DEPTH:
+                shown = "more than 1,000" if depth == sys.maxsize else str(depth)
+                raise ValueError(
+                    f"the schema nests {shown} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsParams:
+        given = [
+            field.alias or name
+            for name, field in type(self).model_fields.items()
+            if getattr(self, name) not in (None, False)
+        ]
+        if len(given) != 1:
+            named = ", ".join(given) if given else "none"
+            raise ValueError(
+                "exactly one of json, json_object, regex, choice or grammar must be given "
+                f"(given: {named})"
+            )
+        return self
+
+
+def json_depth(value: str | dict | list) -> int:
+    """How deeply objects and arrays nest in a JSON document or its text (0 for text that is not
+    JSON; a very large number for text too deep for Python's parser)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            return sys.maxsize
+        except ValueError:
+            return 0
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            children = item.values() if isinstance(item, dict) else item
+            pending += [(child, depth + 1) for child in children]
+    return deepest
 
 
 class SamplingParams(BaseModel):
@@ -61,6 +140,7 @@ class SamplingParams(BaseModel):
     logit_bias: Annotated[dict[int, float], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="token id -> added to its logit before sampling, -100 to 100"
     )
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("logit_bias")
     @classmethod

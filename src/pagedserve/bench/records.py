@@ -150,6 +150,27 @@ class StepProfile(Record):
         return (total - self.phase_ms["forward"]) / total
 
 
+class ConstrainedSteps(Record):
+    """Decode steps at one batch size without constraints, then with every row held to a regex
+    (bench/speed.py's constrained_steps): what structured outputs cost per step."""
+
+    batch: int
+    constraint: str  # the regex every row is held to
+    step_ms: float  # wall time per step, no row constrained
+    constrained_step_ms: float  # every row constrained
+    phase_ms: dict[str, float]  # per step, from engine.phase_timer
+    constrained_phase_ms: dict[str, float]
+
+    @property
+    def mask_ms(self) -> float:
+        """What constraints add per step to sampling (masks filled and applied) and to output
+        (each matcher fed its token)."""
+        return sum(
+            self.constrained_phase_ms[phase] - self.phase_ms[phase]
+            for phase in ("sample", "output")
+        )
+
+
 class LongPromptRun(Record):
     """Streams decoding while long prompts arrive, with or without chunked prefill."""
 
@@ -387,6 +408,7 @@ class Details(Record):
     agreement: list[Agreement]  # greedy outputs of float32 against narrower weights and KV cache
     profiles: list[StepProfile]
     long_prompts: list[LongPromptRun]  # without, then with chunked prefill
+    constrained: list[ConstrainedSteps] | None = None  # None in results from before it ran
 
     def ideal(self, batch: int) -> float:
         return self.setup.cost.ideal(self.ceilings, self.setup.dtype, batch)

@@ -40,6 +40,7 @@ from pagedserve.bench.offline import EngineSetup, OfflineRun, run_engine, with_f
 from pagedserve.bench.prefix_caching import run_prefix_caching_benchmark
 from pagedserve.bench.records import (
     Ceilings,
+    ConstrainedSteps,
     Details,
     HostResults,
     KQuants,
@@ -62,6 +63,7 @@ from pagedserve.bench.render import (
 from pagedserve.bench.serve import ServeConfig, run_serve_benchmark
 from pagedserve.bench.speed import (
     LongPromptLoad,
+    constrained_steps,
     greedy_agreement,
     profile_decode_steps,
     run_long_prompt_load,
@@ -114,6 +116,7 @@ class ReportConfig:
     agreement_requests: int = 16
     agreement_output_len: int = 64
     profile_batches: tuple[int, ...] = (1, 64)
+    constrained_batches: tuple[int, ...] = (1, 32)
     long_prompt_load: LongPromptLoad = field(default_factory=LongPromptLoad)
     # The per-step token budget with chunked prefill in the long-prompt benchmark: small enough
     # that a step with a prompt chunk costs at most a few decode steps on this CPU.
@@ -235,6 +238,7 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
     k_quants = stages.run("GGUF Q4_K_M", partial(_k_quant_runs, config, requests))
     agreement = stages.run("narrow weights agreement", partial(_narrow_weights_agreement, config))
     profiles = stages.run("step profiles", partial(_profile_runs, config))
+    constrained = stages.run("structured outputs", partial(_constrained_runs, config))
     long_prompts = stages.run("long prompts", partial(_long_prompt_runs, config))
     prefix = stages.run("prefix caching", partial(run_prefix_caching_benchmark, **engine_args))
     # Measured again last, so that a busy spell at the start cannot set them alone.
@@ -265,6 +269,7 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
         agreement=agreement,
         profiles=profiles,
         long_prompts=long_prompts,
+        constrained=constrained,
     )
 
 
@@ -458,6 +463,16 @@ def _profile_runs(config: ReportConfig) -> list[StepProfile]:
         return [profile_decode_steps(llm, batch) for batch in config.profile_batches]
 
     return with_fresh_llm(config.engine_args, work, max_num_seqs=max(config.profile_batches))
+
+
+def _constrained_runs(config: ReportConfig) -> list[ConstrainedSteps]:
+    """Structured outputs' cost per decode step, on auto's weights (the default path)."""
+
+    def work(llm) -> list[ConstrainedSteps]:
+        return [constrained_steps(llm, batch) for batch in config.constrained_batches]
+
+    engine_args = {**config.engine_args, "packed_weight_dtype": "auto"}
+    return with_fresh_llm(engine_args, work, max_num_seqs=max(config.constrained_batches))
 
 
 def _long_prompt_runs(config: ReportConfig) -> list[LongPromptRun]:

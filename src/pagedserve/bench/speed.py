@@ -1,6 +1,6 @@
 """In-process speed measurements behind the engine's speed targets: where a decode step's time
-goes at a given batch size, and the inter-token latency of running streams while long prompts
-arrive (with and without chunked prefill)."""
+goes at a given batch size, what structured outputs add to it, and the inter-token latency of
+running streams while long prompts arrive (with and without chunked prefill)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,20 @@ from torch.profiler import ProfilerActivity, profile
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.bench.metrics import RequestResult, summarize
 from pagedserve.bench.offline import greedy_params, warm_up, with_fresh_llm
-from pagedserve.bench.records import STEP_PHASES, Agreement, LongPromptRun, StepProfile
+from pagedserve.bench.records import (
+    STEP_PHASES,
+    Agreement,
+    ConstrainedSteps,
+    LongPromptRun,
+    StepProfile,
+)
 from pagedserve.bench.sweep import fixed_requests
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.llm import LLM
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+# Held to it, a row goes on through every timed step: 400 letters or spaces, then the end.
+STEP_CONSTRAINT = StructuredOutputsParams(regex="[a-z ]{400}")
 
 
 def profile_decode_steps(
@@ -51,6 +61,45 @@ def profile_decode_steps(
         top_ops_ms=_top_ops(profiler, engine, steps, top),
         profiled_step_ms=profiled_step_ms,
         fewest_running=min(fewest_timed, fewest_profiled),
+    )
+
+
+def constrained_steps(
+    llm: LLM, batch: int, prompt_len: int = 32, steps: int = 16
+) -> ConstrainedSteps:
+    """Decode steps of `batch` sequences, timed by the phase timers as profile_decode_steps
+    times them: first with no row constrained, then the same requests with every row held to
+    STEP_CONSTRAINT (masks filled in `sample`, matchers fed in `output`)."""
+    warm_up(llm)
+    engine, timer = llm.engine, llm.engine.phase_timer
+    prompt_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens) + 1
+    timed: list[tuple[float, dict[str, float]]] = []
+    for constraint in (None, STEP_CONSTRAINT):
+        params = SamplingParams(
+            temperature=0.0, ignore_eos=True, max_tokens=steps + prompt_steps + 2,
+            structured_outputs=constraint,
+        )  # fmt: skip
+        for request in fixed_requests(batch, prompt_len, output_len=1):
+            engine.add_request(request.engine_prompt, params)
+        while engine.scheduler.waiting or _prefilling(engine):
+            engine.step()
+        before = dict(timer.seconds)
+        step_ms, _ = _timed_steps(engine, steps)
+        phase_ms = {
+            phase: 1000 * (timer.seconds.get(phase, 0.0) - before.get(phase, 0.0)) / steps
+            for phase in STEP_PHASES
+        }
+        timed.append((step_ms, phase_ms))
+        while engine.has_unfinished_requests():
+            engine.step()
+    (free_ms, free_phases), (held_ms, held_phases) = timed
+    return ConstrainedSteps(
+        batch=batch,
+        constraint=STEP_CONSTRAINT.regex,
+        step_ms=free_ms,
+        constrained_step_ms=held_ms,
+        phase_ms=free_phases,
+        constrained_phase_ms=held_phases,
     )
 
 

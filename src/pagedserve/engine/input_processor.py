@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.structured_output import GrammarCompiler
 from pagedserve.outputs import RequestMetrics
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.validation import FieldError, check_unicode
@@ -34,8 +35,10 @@ class InputProcessor:
         max_num_seqs: int,
         kv_cache: BlockManager,
         seed: int | None,
+        grammars: GrammarCompiler,
     ):
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -70,6 +73,9 @@ class InputProcessor:
         self._check_in_vocabulary("logit_bias", list(params.logit_bias or ()))
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.matcher(params.structured_outputs)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         return Sequence(
             request_id=request_id,
@@ -80,6 +86,7 @@ class InputProcessor:
             max_tokens=max_tokens,
             metrics=RequestMetrics(arrival_time=time.monotonic()),
             pending_forks=params.n - 1,
+            grammar=grammar,
         )
 
     def chat_token_ids(self, conversation: Conversation) -> list[int]:

@@ -26,6 +26,7 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
 from pagedserve.engine.sequence import Sequence
 from pagedserve.engine.static_scheduler import StaticScheduler
+from pagedserve.engine.structured_output import GrammarCompiler
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.source import gguf_file, resolve_model_dir
 from pagedserve.outputs import StepOutput
@@ -88,6 +89,7 @@ class LLMEngine:
             config.max_num_seqs,
             self.block_manager,
             config.seed,
+            GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids),
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.stats = EngineStats()

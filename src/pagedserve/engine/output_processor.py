@@ -77,10 +77,15 @@ class OutputProcessor:
         detokenizer = self._detokenizers[seq]
         reason: str | None = None
         stop_reason: int | str | None = None
-        if token in params.stop_token_ids:
+        grammar_end = _advance_grammar(seq, token)
+        if grammar_end == "error":
+            reason = grammar_end
+        elif token in params.stop_token_ids:
             reason, stop_reason = "stop", token
         elif token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
+        elif grammar_end is not None:
+            reason = grammar_end
         else:
             piece = detokenizer.add_token(token, seq.num_output_tokens >= params.min_tokens)
             output.new_text = piece.text
@@ -141,3 +146,15 @@ class OutputProcessor:
             finished=True,
             metrics=first.metrics,
         )
+
+
+def _advance_grammar(seq: Sequence, token: int) -> str | None:
+    """Feeds the token to the sample's matcher; why the sample ends there, if it does: "stop" once
+    the grammar has accepted a stop token (ignore_eos or not), "error" when the grammar refuses
+    the token (drawn from a row where nothing was allowed: the grammar's mask and min_tokens' bans
+    together excluded every token)."""
+    if seq.grammar is None:
+        return None
+    if not seq.grammar.accept_token(token):
+        return "error"
+    return "stop" if seq.grammar.is_terminated() else None

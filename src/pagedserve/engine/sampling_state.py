@@ -6,7 +6,8 @@ logit biases, penalties, min_tokens bans, logprobs) and, for rows with penalties
 tokens they have seen. While the rows stay the same, a step writes only what moved: every row's
 output index goes up by one, and the token each row drew last step is added to its counts. So a
 step costs the same however long the histories grow, and the values are the ones a fresh upload
-would give.
+would give. Rows with a structured-output constraint get their allowed tokens afresh every step,
+from their matchers.
 
 Invariant: between two steps with the same rows, each row gained exactly the one token the
 sampler drew for it (the engine appends every sampled token). Anything else (a row finished,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.structured_output import TokenMasks
 from pagedserve.model.sampler import (
     LogprobsRequest,
     PenaltyBatch,
@@ -35,6 +37,7 @@ class SamplingState:
         self._output_index: torch.Tensor | None = None  # [rows] long, when some row needs it
         self._bans: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._drawn: torch.Tensor | None = None  # [rows] long: last step's tokens
+        self._masks: TokenMasks | None = None  # when some row has a constraint
 
     def batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The sampling batch of these rows for this step."""
@@ -46,6 +49,8 @@ class SamplingState:
             self._advance()
         else:
             self._build(seqs)
+        if self._masks is not None:
+            self._batch.allowed = self._masks.fill()
         self._rows, self._num_outputs, self._drawn = list(seqs), num_outputs, None
         return self._batch
 
@@ -74,6 +79,10 @@ class SamplingState:
             outputs = [seq.num_output_tokens for seq in seqs]
             self._output_index = torch.tensor(outputs, device=device)
         self._bans = self._ban_table(seqs)
+        constrained = [
+            (row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None
+        ]
+        self._masks = TokenMasks(constrained, len(seqs), self.vocab_size) if constrained else None
         random = None
         if not greedy:
             random = RandomSampling(

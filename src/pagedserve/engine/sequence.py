@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.outputs import RequestMetrics, SampleLogprobs
 from pagedserve.sampling_params import SamplingParams
@@ -43,6 +43,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[SampleLogprobs] | None = None  # one per output token, when params ask
+    # The sample's structured-output matcher (an xgrammar GrammarMatcher) when its request has a
+    # constraint: it has accepted exactly the output tokens (engine/structured_output.py).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -86,6 +89,7 @@ class Sequence:
             sample_index=sample_index,
             pending_forks=0,
             logprobs=None,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
         )
 
 

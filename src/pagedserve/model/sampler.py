@@ -1,8 +1,8 @@
 """Batched sampling: one set of tensor operations picks the next token of every sequence.
 
-Order per step: logit biases, min_tokens bans, then penalties (repetition, frequency,
-presence); from those logits come both the optional logprobs and the choice (greedy argmax, or
-temperature, top-k, top-p, min-p and the draw).
+Order per step: logit biases, the structured-output masks, min_tokens bans, then penalties
+(repetition, frequency, presence); from those logits come both the optional logprobs and the
+choice (greedy argmax, or temperature, top-k, top-p, min-p and the draw).
 
 Randomness comes from a counter-based hash of (seed, output index, token id) rather than a
 generator's state, so a seeded request draws the same tokens whatever else shares its batch,
@@ -75,6 +75,9 @@ class SamplingBatch:
     # (rows, token ids, biases): added to those logits (logit_bias)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) never drawn
+    # (rows, [rows, ceil(vocab / 32)] int32 bitmask): in those rows, only tokens whose bit is set
+    # may be drawn (structured outputs; the bitmask is xgrammar's layout)
+    allowed: tuple[list[int], torch.Tensor] | None = None
     random: RandomSampling | None = None  # None: every row is greedy
     penalties: PenaltyBatch | None = None
     logprobs: LogprobsRequest | None = None
@@ -103,6 +106,12 @@ def sample(
     if batch.bias is not None:
         rows, token_ids, biases = batch.bias
         logits = logits.index_put((rows, token_ids), biases, accumulate=True)
+    if batch.allowed is not None:
+        from xgrammar import apply_token_bitmask_inplace  # loaded once a request is constrained
+
+        rows, bitmask = batch.allowed
+        logits = logits.clone() if batch.bias is None else logits  # the caller's stay as given
+        apply_token_bitmask_inplace(logits, bitmask, indices=rows)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.penalties is not None:

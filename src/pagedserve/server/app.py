@@ -79,7 +79,10 @@ def build_app(state: ServerState) -> FastAPI:
         _log_unknown_fields(body)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await state.engine.add_requests(body.prompts(), params, request_id)
+        try:
+            streams = await state.engine.add_requests(body.prompts(), params, request_id)
+        except FieldError as error:
+            raise _as_request_field(error, body) from None
         run = _Completion(state.model_name, request_id, body, len(streams))
         return await _respond(state, request, run, streams)
 
@@ -100,7 +103,7 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             streams = await state.engine.add_requests([prompt], params, request_id)
         except FieldError as error:
-            raise _as_chat_field(error, body) from None
+            raise _as_request_field(error, body) from None
         run = _ChatCompletion(state.model_name, request_id, body, len(streams))
         return await _respond(state, request, run, streams)
 
@@ -246,13 +249,18 @@ class _AbortingStream(StreamingResponse):
                 self.engine.abort(sub_id)
 
 
-def _as_chat_field(error: FieldError, body: ChatCompletionRequest) -> FieldError:
-    """The engine names a completions request's fields; a chat request's prompt is its
-    messages, and its max_tokens may be max_completion_tokens."""
-    if error.field == "prompt":
+def _as_request_field(error: FieldError, body: CompletionRequest | ChatCompletionRequest):
+    """The engine names SamplingParams' fields and a completions request's prompt; the request
+    may have sent them by other names: a chat's prompt is its messages, its max_tokens may be
+    max_completion_tokens, and a constraint may have come as response_format or guided_*."""
+    chat = isinstance(body, ChatCompletionRequest)
+    if error.field == "prompt" and chat:
         error.field = "messages"
-    elif error.field == "max_tokens" and body.max_completion_tokens is not None:
+    elif error.field == "max_tokens" and chat and body.max_completion_tokens is not None:
         error.field = "max_completion_tokens"
+    elif error.field == "structured_outputs" and (constraint := body.constraint()) is not None:
+        field = constraint[0]
+        error = FieldError(field, str(error).replace("structured_outputs", field, 1))
     return error
 
 

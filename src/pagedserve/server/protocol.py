@@ -2,9 +2,12 @@
 
 Fields no declaration names are ignored (the server logs their names), as vLLM does, so that a
 client sending a field of a newer API version still gets its answer. Fields of features the engine
-does not implement yet (tools, structured outputs, suffix, echo, prompt logprobs) are declared:
-accepted where their value asks for nothing (`tools: []`, `response_format: {"type": "text"}`),
-refused by name otherwise.
+does not implement yet (tools, suffix, echo, prompt logprobs) are declared: accepted where their
+value asks for nothing (`tools: []`), refused by name otherwise.
+
+An output constraint comes in one of three spellings (OpenAI's `response_format`, vLLM's
+`structured_outputs`, vLLM's older `guided_*` fields); each becomes a StructuredOutputsParams, and
+errors name the field the request used.
 
 Every list is bounded, or checked item by item until the first bad one, so that a body's errors
 are few however large it is; the sampling fields are checked by SamplingParams and what depends on
@@ -14,14 +17,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pagedserve.sampling_params import (
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
+    StructuredOutputsParams,
 )
+from pagedserve.validation import FieldError
 
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 4096
@@ -53,6 +66,33 @@ class StreamOptions(_Lenient):
         return value
 
 
+class JsonSchemaFormat(_Lenient):
+    """OpenAI's response_format.json_schema."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced exactly
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given exactly when type is "json_schema"')
+        return self
+
+    def constraint(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.schema_}
+        return None
+
+
 class _GenerationRequest(_Lenient):
     """The sampling fields shared by completions and chat completions."""
 
@@ -75,18 +115,18 @@ class _GenerationRequest(_Lenient):
     stream_options: StreamOptions | None = None
     best_of: Literal[1] | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Declared, not implemented: accepted only where they ask for nothing.
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict | None = None
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
 
     @field_validator("tools", "functions")
     @classmethod
@@ -102,21 +142,28 @@ class _GenerationRequest(_Lenient):
             raise _refused(info.field_name, f"tool choice {value!r}")
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value: dict | None) -> dict | None:
-        if value is not None and value.get("type") != "text":
-            raise _refused("response_format", f"type {value.get('type')!r} (structured output)")
-        return value
-
-    @field_validator(
-        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"
-    )
-    @classmethod
-    def _no_guided_decoding(cls, value, info: ValidationInfo):
-        if value is not None:
-            raise _refused(info.field_name, "structured output")
-        return value
+    def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The output constraint and the field it came in; a FieldError naming the fields when
+        more than one asks for one."""
+        given: dict[str, dict[str, Any]] = {}
+        if self.response_format is not None and self.response_format.constraint():
+            given["response_format"] = self.response_format.constraint()
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for field, key in _GUIDED_FIELDS.items():
+            if getattr(self, field) is not None:
+                given[field] = {key: getattr(self, field)}
+        if not given:
+            return None
+        if len(given) > 1:
+            raise FieldError(
+                next(iter(given)), f"one output constraint at a time: {', '.join(given)} given"
+            )
+        [(field, fields)] = given.items()
+        try:
+            return field, StructuredOutputsParams(**fields)
+        except ValidationError as error:
+            raise FieldError(field, f"{field}: {_first_error(error)}") from None
 
     def unknown_fields(self, prefix: str = "") -> list[str]:
         names = super().unknown_fields(prefix)
@@ -125,6 +172,7 @@ class _GenerationRequest(_Lenient):
         return names
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        constraint = self.constraint()
         fields: dict[str, Any] = {
             "n": self.n,
             "temperature": self.temperature,
@@ -141,6 +189,7 @@ class _GenerationRequest(_Lenient):
             "min_tokens": self.min_tokens,
             "logprobs": logprobs,
             "logit_bias": self.logit_bias or None,
+            "structured_outputs": constraint[1] if constraint else None,
         }
         # max_tokens None stays: up to the model's context, as OpenAI's chat API and vLLM do.
         set_fields = {k: v for k, v in fields.items() if v is not None}
@@ -204,6 +253,17 @@ class CompletionRequest(_GenerationRequest):
         if all(isinstance(p, int) for p in prompt):
             return [{"prompt_token_ids": prompt}]
         return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}  # fmt: skip
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 def _check_token_list(field: str, items: list) -> None:
