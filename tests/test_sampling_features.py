@@ -194,6 +194,46 @@ def test_sampled_logprobs_are_before_temperature(llm, hf_model):
     assert max(ranks) > 1  # the k + 1 case was exercised
 
 
+def _prompt_logprobs_reference(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: the log-softmax that predicted each prompt token but the first."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0, :-1].log_softmax(dim=-1)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"max_num_batched_tokens": 16}, {"block_size": 8, "num_kv_blocks": 12}],
+    ids=["whole", "chunked", "preempted"],
+)
+def test_prompt_logprobs_match_transformers(checkpoint, hf_model, engine_args):
+    """Every prompt token after the first gets the log-softmax that predicted it, with its rank
+    and the top prompt_logprobs alternatives; a prompt computed in chunks, recomputed after
+    preemption, or already in the prefix cache gets the same, once per position."""
+    llm = LLM(str(checkpoint), dtype="float32", **engine_args)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    widths = (2, 0, 4)
+    params = [_greedy(prompt_logprobs=k) for k in widths]
+    first = llm.generate(prompts, params)
+    again = llm.generate(prompts[2], params[2])[0]  # its blocks are cached now
+    if "num_kv_blocks" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0
+    tokenizer = llm.get_tokenizer()
+    for prompt, result, k in zip(_prompts(), first, widths, strict=True):
+        entries = result.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        reference = _prompt_logprobs_reference(hf_model, prompt)
+        for token, entry, ref in zip(prompt[1:], entries[1:], reference, strict=True):
+            assert entry[token].logprob == pytest.approx(float(ref[token]), abs=TOLERANCE)
+            assert entry[token].rank == int((ref >= ref[token]).sum())
+            assert entry[token].decoded_token == tokenizer.decode([token])
+            ranked = sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
+            assert [lp.logprob for lp in ranked] == pytest.approx(
+                ref.topk(k).values.tolist(), abs=TOLERANCE
+            )
+        assert result.outputs[0].token_ids == reference_greedy(hf_model, prompt, NEW_TOKENS)
+    assert again.prompt_logprobs == first[2].prompt_logprobs
+
+
 def test_logprobs_off_and_streamed(llm):
     prompt = {"prompt_token_ids": _prompts()[1]}
     (plain,) = llm.generate(prompt, _greedy())

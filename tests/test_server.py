@@ -178,8 +178,8 @@ BAD_REQUESTS = [
     ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"logit_bias": {"1000000000": 1}}, 400, "logit_bias"),
     ({"suffix": "x"}, 400, "suffix"),
-    ({"echo": True}, 400, "echo"),
-    ({"prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ({"echo": "loudly"}, 400, "echo"),
+    ({"prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"tool_choice": "required"}, 400, "tool_choice"),
     (
@@ -188,7 +188,11 @@ BAD_REQUESTS = [
         "response_format",
     ),
     ({"guided_regex": "(a+"}, 400, "guided_regex"),
-    ({"stream_options": {"continuous_usage_stats": True}}, 400, "continuous_usage_stats"),
+    (
+        {"prompt": [5, 6], "response_format": {"type": "json_object"}, "guided_regex": "a"},
+        400,
+        "response_format",
+    ),
     ({"best_of": 3}, 400, "best_of"),
     ({"model": "gpt-7"}, 404, "gpt-7"),
 ]
@@ -441,3 +445,118 @@ def test_prefix_cache_metrics_count_a_repeated_prompt(server, client):
     # 40 tokens twice; the second finds the first's two full blocks of 16.
     assert [a - b for a, b in zip(after, before, strict=True)] == [80, 32]
     assert "pagedserve:kv_cache_shared_blocks" in httpx.get(f"{base}/metrics").text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6
+    prompt_tokens = {chunk.usage.prompt_tokens for chunk in chunks}
+    assert len(prompt_tokens) == 1 and prompt_tokens.pop() > 0
+    assert chunks[-1].choices == []  # the usage chunk include_usage asks for, at the end
+
+
+def test_tokenize_and_detokenize_as_vllm_shapes_them(server, offline):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tokenizer = offline.get_tokenizer()
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=30) as http:
+        text = http.post("/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True})
+        assert text.status_code == 200
+        body = text.json()
+        assert body["tokens"] == tokenizer(PROMPTS[0]).input_ids
+        assert body["count"] == len(body["tokens"])
+        assert body["max_model_len"] == offline.engine.max_model_len
+        assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+        messages = [{"role": "user", "content": "hi"}]
+        chat = http.post("/tokenize", json={"model": "tiny", "messages": messages}).json()
+        assert chat["tokens"] == offline.engine.chat_token_ids(messages)
+        assert chat["token_strs"] is None
+        back = http.post("/detokenize", json={"model": "tiny", "tokens": body["tokens"]})
+        assert back.json() == {"prompt": tokenizer.decode(body["tokens"])}
+        for path, bad, param in [
+            ("/detokenize", {"tokens": [10**9]}, "tokens"),
+            ("/detokenize", {"tokens": ["a"]}, "tokens"),
+            ("/tokenize", {"prompt": "x", "messages": messages}, "body"),
+            ("/tokenize", {"prompt": ""}, "prompt"),
+            ("/tokenize", {"prompt": "x", "model": "gpt-7"}, "model"),
+        ]:
+            refused = http.post(path, json=bad)
+            assert refused.status_code in (400, 404), (path, bad)
+            assert refused.json()["error"]["param"] == param, (path, bad)
+    unkeyed = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "x"})
+    assert unkeyed.status_code == 401
+
+
+def test_cors_is_off_by_default_and_follows_the_flags(checkpoint, server):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+    plain = httpx.options(f"{server.base_url}/v1/chat/completions", headers=preflight)
+    assert "access-control-allow-origin" not in plain.headers
+    process = ServerProcess(
+        "--model", str(checkpoint), "--dtype", "float32", "--api-key", API_KEY,
+        "--allowed-origins", '["https://app.example"]', "--allowed-methods", '["POST"]',
+    )  # fmt: skip
+    try:
+        url = f"{process.base_url}/v1/chat/completions"
+        allowed = httpx.options(url, headers=preflight)
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in allowed.headers["access-control-allow-methods"]
+        other = httpx.options(url, headers={**preflight, "Origin": "https://evil.example"})
+        assert other.status_code == 400
+        assert "access-control-allow-origin" not in other.headers
+        # A real request from the allowed origin still needs the key, and can read the refusal.
+        unkeyed = httpx.post(url, json={}, headers={"Origin": "https://app.example"})
+        assert unkeyed.status_code == 401
+        assert unkeyed.headers["access-control-allow-origin"] == "https://app.example"
+    finally:
+        process.close()
+
+
+def test_echo_with_logprobs_gives_the_engines_prompt_logprobs(client, offline):
+    """lm-evaluation-harness's scoring request: the prompt echoed before the output, its tokens'
+    logprobs first (null for the first token), streamed or not; and vLLM's prompt_logprobs."""
+    expected = offline.generate(
+        PROMPTS[3], _greedy(3).model_copy(update={"prompt_logprobs": 2, "logprobs": 2})
+    )[0]
+    prompt_ids = expected.prompt_token_ids
+    request = dict(
+        model="tiny", prompt=PROMPTS[3], max_tokens=3, temperature=0, echo=True, logprobs=2,
+        extra_body={"ignore_eos": True, "prompt_logprobs": 2},
+    )  # fmt: skip
+    whole = client.completions.create(**request).choices[0]
+    assert whole.text == PROMPTS[3] + expected.outputs[0].text
+    columns = whole.logprobs
+    assert len(columns.tokens) == len(prompt_ids) + 3
+    assert columns.token_logprobs[0] is None and columns.top_logprobs[0] is None
+    prompt_logprobs = [
+        entry[token].logprob
+        for token, entry in zip(prompt_ids[1:], expected.prompt_logprobs[1:], strict=True)
+    ]
+    assert columns.token_logprobs[1 : len(prompt_ids)] == prompt_logprobs
+    output = expected.outputs[0]
+    output_logprobs = [
+        entry[token].logprob for token, entry in zip(output.token_ids, output.logprobs, strict=True)
+    ]
+    assert columns.token_logprobs[len(prompt_ids) :] == output_logprobs
+    vllm_shape = whole.model_extra["prompt_logprobs"]
+    assert vllm_shape[0] is None
+    by_id = zip(prompt_ids[1:], vllm_shape[1:], strict=True)
+    assert [entry[str(token)]["logprob"] for token, entry in by_id] == prompt_logprobs
+    streamed_text, streamed_logprobs = "", []
+    for chunk in client.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            streamed_text += choice.text
+            streamed_logprobs += choice.logprobs.token_logprobs if choice.logprobs else []
+    assert streamed_text == whole.text
+    assert streamed_logprobs == columns.token_logprobs
+    plain = client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=2, echo=True, temperature=0
+    ).choices[0]
+    assert plain.text.startswith(offline.get_tokenizer().decode([5, 6, 7]))
+    assert plain.logprobs is None

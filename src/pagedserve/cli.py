@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -26,6 +27,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="largest request body accepted; larger ones get 413",
     )
     group.add_argument("--log-interval", type=float, default=5.0, help="seconds between stat lines")
+    cors = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
+    cors.add_argument(
+        "--allowed-origins", type=_json_list, default=None,
+        help='origins browsers may call from, a JSON list: \'["https://app.example"]\'',
+    )  # fmt: skip
+    cors.add_argument("--allowed-methods", type=_json_list, default=["*"], help="a JSON list")
+    cors.add_argument("--allowed-headers", type=_json_list, default=["*"], help="a JSON list")
+    cors.add_argument("--allow-credentials", action="store_true", help="allow cookies and auth")
+
+
+def _json_list(value: str) -> list[str]:
+    """vLLM's spelling of a list flag: a JSON list of strings."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings like ["*"], got {value}')
+    return items
 
 
 def _positive_int(value: str) -> int:

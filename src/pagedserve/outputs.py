@@ -59,6 +59,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # One per prompt token when SamplingParams.prompt_logprobs asks, None for the first.
+    prompt_logprobs: list[SampleLogprobs | None] | None = None
 
 
 @dataclass
@@ -75,6 +77,8 @@ class StepOutput:
     stop_reason: int | str | None = None
     # Set once the request's result is released (at once, or at batch end under `static`).
     final: RequestOutput | None = None
+    # On a sample's first piece, when the request asked for them: the prompt's logprobs.
+    prompt_logprobs: list[SampleLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -137,6 +137,10 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token"
     )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="top alternatives per prompt token (vLLM's); the first token has none",
+    )  # fmt: skip
     logit_bias: Annotated[dict[int, float], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="token id -> added to its logit before sampling, -100 to 100"
     )

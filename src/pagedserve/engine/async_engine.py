@@ -49,6 +49,14 @@ class _Stream:
     queue: asyncio.Queue
 
 
+@dataclass
+class RequestStream:
+    """One submitted prompt: its tokens, known at once, and its pieces as they come."""
+
+    prompt_token_ids: list[int]
+    outputs: AsyncIterator[StepOutput]
+
+
 class AsyncLLMEngine:
     def __init__(
         self,
@@ -79,9 +87,9 @@ class AsyncLLMEngine:
 
     async def add_requests(
         self, prompts: list[PromptInput], params: SamplingParams, request_id: str
-    ) -> list[AsyncIterator[StepOutput]]:
+    ) -> list[RequestStream]:
         """Validates and submits prompts as one unit, each an engine request of params.n samples
-        named by sub_request_ids, and returns an iterator over each one's pieces. Raises at
+        named by sub_request_ids, and returns a stream of each one's pieces. Raises at
         once, submitting none: ValueError for a bad prompt or more prompts than the queue can
         ever hold, QueueFullError while the queue has no room for all of them. Closing an
         iterator early aborts its request; one that is never iterated must be ended with
@@ -108,7 +116,10 @@ class AsyncLLMEngine:
             self._raise_if_dead()
         for seq in seqs:
             self._commands.put(("add", seq))
-        return [self._iterate(sub_id, stream) for sub_id, stream in streams.items()]
+        return [
+            RequestStream(seq.prompt_token_ids, self._iterate(seq.request_id, stream))
+            for seq, stream in zip(seqs, streams.values(), strict=True)
+        ]
 
     def _make_sequences(
         self, prompts: list[PromptInput], params: SamplingParams, ids: list[str]

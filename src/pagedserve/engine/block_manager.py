@@ -79,10 +79,11 @@ class BlockManager:
         """The longest chain of cached full blocks that seq's tokens begin with; takes nothing.
 
         At least one token is left out so that computing it yields logits, and the hit stays
-        whole blocks so that no sequence ever writes into a block it found in the cache.
+        whole blocks so that no sequence ever writes into a block it found in the cache. A
+        request for prompt logprobs takes no hit: it needs the logits of every prompt position.
         """
         prefix = CachedPrefix()
-        if not self.enable_caching:
+        if not self.enable_caching or seq.params.prompt_logprobs is not None:
             return prefix
         size = self.block_size
         parent: BlockKey | None = None

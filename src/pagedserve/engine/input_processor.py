@@ -89,10 +89,12 @@ class InputProcessor:
             grammar=grammar,
         )
 
-    def chat_token_ids(self, conversation: Conversation) -> list[int]:
+    def chat_token_ids(
+        self, conversation: Conversation, add_generation_prompt: bool = True
+    ) -> list[int]:
         """The conversation through the model's chat template, up to the assistant's turn to
-        come; ValueError when the model has no template or its template refuses the conversation
-        (some raise on roles that do not alternate)."""
+        come (or not, without add_generation_prompt); ValueError when the model has no template
+        or its template refuses the conversation (some raise on roles that do not alternate)."""
         if self.tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
         chars = 0
@@ -104,11 +106,27 @@ class InputProcessor:
         self._check_prompt_chars("messages", chars)
         try:
             token_ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
             )
         except TemplateError as error:
             raise ValueError(f"the model's chat template refused the messages: {error}") from None
         return list(token_ids)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's token ids; FieldError naming prompt for an empty, invalid or
+        overlong text."""
+        if not text:
+            raise FieldError("prompt", "prompt must not be empty")
+        check_unicode("prompt", text)
+        self._check_prompt_chars("prompt", len(text))
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        self._check_in_vocabulary("tokens", token_ids)
+        return self.tokenizer.decode(token_ids)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -119,11 +137,7 @@ class InputProcessor:
                 return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
             prompt = prompt.get("prompt", "")
         if isinstance(prompt, str):
-            if not prompt:
-                raise FieldError("prompt", "prompt must not be empty")
-            check_unicode("prompt", prompt)
-            self._check_prompt_chars("prompt", len(prompt))
-            return prompt, self.tokenizer(prompt).input_ids
+            return prompt, self.tokenize(prompt)
         return None, self._check_token_ids(prompt)
 
     def _check_prompt_chars(self, field: str, num_chars: int) -> None:

@@ -140,9 +140,19 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return self.inputs.make_sequence(prompt, params, request_id)
 
-    def chat_token_ids(self, conversation: Conversation) -> list[int]:
-        """The conversation through the model's chat template, up to the assistant's turn."""
-        return self.inputs.chat_token_ids(conversation)
+    def chat_token_ids(
+        self, conversation: Conversation, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The conversation through the model's chat template (up to the assistant's turn)."""
+        return self.inputs.chat_token_ids(conversation, add_generation_prompt)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids, as a completion's prompt is tokenized (ValueError as there)."""
+        return self.inputs.tokenize(text, add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids in the vocabulary (a FieldError naming tokens otherwise)."""
+        return self.inputs.detokenize(token_ids)
 
     def submit(self, seq: Sequence) -> None:
         self.outputs.add_request(seq)
@@ -207,12 +217,16 @@ class LLMEngine:
                 if seq.metrics.first_scheduled_time is None:
                     seq.metrics.first_scheduled_time = started
             self.outputs.add_forks(scheduled.forks)
-            sampled = self.runner.run(scheduled, timer)
+            sampled, prompt_logprobs = self.runner.run(scheduled, timer)
+            for seq, entries in prompt_logprobs:
+                self.outputs.record_prompt_logprobs(seq, entries)
             for seq, num_new in scheduled.entries:
                 seq.num_computed_tokens += num_new
             now = time.monotonic()
             for seq, token, logprobs in sampled:
                 output = StepOutput(seq.request_id, [token], index=seq.sample_index)
+                if seq.num_output_tokens == 0:
+                    output.prompt_logprobs = seq.prompt_logprobs
                 outputs[seq.request_id, seq.sample_index] = output
                 if logprobs is not None:
                     self.outputs.record_logprobs(seq, logprobs, output)

@@ -27,7 +27,14 @@ from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.kernels import can_use_cpu_kernels, cpu_kernels_available
 from pagedserve.model.layers import Linear
 from pagedserve.model.linear_method import PackedFormats, choose_format
-from pagedserve.model.sampler import LogprobsTensors, RowArgmax, sample, torch_row_argmax
+from pagedserve.model.sampler import (
+    LogprobsRequest,
+    LogprobsTensors,
+    RowArgmax,
+    compute_logprobs,
+    sample,
+    torch_row_argmax,
+)
 from pagedserve.outputs import Logprob, SampleLogprobs
 from pagedserve.timing import PhaseTimer
 
@@ -38,6 +45,18 @@ class Sampled(NamedTuple):
     seq: Sequence
     token: int
     logprobs: SampleLogprobs | None  # decoded_token left for the engine, which holds the tokenizer
+
+
+class PromptLogprobs(NamedTuple):
+    """The logprobs of prompt tokens this step's positions predict, in prompt order."""
+
+    seq: Sequence
+    entries: list[SampleLogprobs]
+
+
+# Prompt positions whose logits are computed at once for prompt logprobs: a row of logits holds
+# the whole vocabulary, so a long prompt's would not fit in memory together.
+_PROMPT_LOGITS_ROWS = 256
 
 
 def resolve_device(name: str) -> torch.device:
@@ -207,10 +226,13 @@ class ModelRunner:
         return summary
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, timer: PhaseTimer) -> list[Sampled]:
+    def run(
+        self, batch: ScheduledBatch, timer: PhaseTimer
+    ) -> tuple[list[Sampled], list[PromptLogprobs]]:
         """Computes every scheduled token; returns the new token (and logprobs when asked for) of
         each sequence whose pending tokens are all computed by this step, and of its new forks,
-        which sample from the same logits, in the order of the entries."""
+        which sample from the same logits, in the order of the entries; and the prompt logprobs
+        of the prompt positions computed, for sequences that ask for them."""
         if batch.block_copies:
             sources, destinations = zip(*batch.block_copies, strict=True)
             self.model.copy_blocks(
@@ -223,8 +245,18 @@ class ModelRunner:
         sampling_seqs: list[Sequence] = []
         long_after = self.model.long_after  # longrope's original context, else None
         long_prompts: list[bool] = []
+        prompt_rows: list[int] = []  # hidden rows whose logits give prompt logprobs
+        prompt_seqs: list[tuple[Sequence, int, int]] = []  # (seq, first position, positions)
         for seq, num_new in batch.entries:
             start = seq.num_computed_tokens
+            if seq.prompt_logprobs is not None:
+                # Position p predicts prompt token p + 1; those already recorded are skipped.
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                end = min(start + num_new, seq.num_prompt_tokens - 1)
+                if first < end:
+                    offset = len(input_ids) - start
+                    prompt_rows += range(offset + first, offset + end)
+                    prompt_seqs.append((seq, first, end - first))
             input_ids.extend(seq.token_ids[start : start + num_new])
             if long_after is not None:
                 long_prompts += [seq.num_prompt_tokens > long_after] * num_new
@@ -249,15 +281,40 @@ class ModelRunner:
         timer.lap("prepare")
         long_tensor = torch.tensor(long_prompts, device=self.device) if long_prompts else None
         hidden = self.model(input_tensor, attention, long_tensor)
+        prompt = self._prompt_logprobs(hidden, prompt_rows, prompt_seqs) if prompt_seqs else []
         if not sampling_seqs:
             timer.lap("forward")
-            return []
+            return [], prompt
         rows = torch.tensor(sampling_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         timer.lap("forward")
         sampled = self._sample(logits, sampling_seqs)
         timer.lap("sample")
-        return sampled
+        return sampled, prompt
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[int], seqs: list[tuple[Sequence, int, int]]
+    ) -> list[PromptLogprobs]:
+        """Log-softmax of the model's logits at each row (no sampling setting applies), for the
+        prompt token that follows, with each sequence's top prompt_logprobs alternatives."""
+        targets, num_tops = [], []
+        for seq, first, count in seqs:
+            targets += seq.token_ids[first + 1 : first + 1 + count]
+            num_tops += [seq.params.prompt_logprobs] * count
+        entries: list[SampleLogprobs] = []
+        widest = max(num_tops)
+        for begin in range(0, len(rows), _PROMPT_LOGITS_ROWS):
+            part = slice(begin, begin + _PROMPT_LOGITS_ROWS)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[part], device=self.device)])
+            tokens = torch.tensor(targets[part], device=self.device)
+            everyone = LogprobsRequest(torch.arange(len(tokens), device=self.device), widest)
+            tensors = compute_logprobs(logits.float(), tokens, everyone)
+            entries += _logprob_dicts(tensors, targets[part], num_tops[part])
+        found, begin = [], 0
+        for seq, _, count in seqs:
+            found.append(PromptLogprobs(seq, entries[begin : begin + count]))
+            begin += count
+        return found
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
         batch = self.sampling.batch(seqs)

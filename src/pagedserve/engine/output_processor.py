@@ -62,13 +62,22 @@ class OutputProcessor:
         return request.samples
 
     def record_logprobs(self, seq: Sequence, logprobs: SampleLogprobs, output: StepOutput) -> None:
-        # Each candidate decoded alone, special tokens kept: a candidate has no text context, and
-        # a client reading alternatives needs to see e.g. that the end-of-sequence was likely.
-        texts = self.tokenizer.batch_decode([[token] for token in logprobs])
-        for logprob, text in zip(logprobs.values(), texts, strict=True):
-            logprob.decoded_token = text
+        self._decode_candidates([logprobs])
         seq.logprobs.append(logprobs)
         output.new_logprobs = [logprobs]
+
+    def record_prompt_logprobs(self, seq: Sequence, entries: list[SampleLogprobs]) -> None:
+        self._decode_candidates(entries)
+        seq.prompt_logprobs.extend(entries)
+
+    def _decode_candidates(self, entries: list[SampleLogprobs]) -> None:
+        # Each candidate decoded alone, special tokens kept: a candidate has no text context, and
+        # a client reading alternatives needs to see e.g. that the end-of-sequence was likely.
+        tokens = [token for entry in entries for token in entry]
+        texts = iter(self.tokenizer.batch_decode([[token] for token in tokens]))
+        for entry in entries:
+            for logprob in entry.values():
+                logprob.decoded_token = next(texts)
 
     def process_token(self, seq: Sequence, token: int, output: StepOutput) -> Finish | None:
         """Decodes seq's newest token (already appended) into output's text; returns why seq
@@ -145,6 +154,7 @@ class OutputProcessor:
             outputs=completions,
             finished=True,
             metrics=first.metrics,
+            prompt_logprobs=first.prompt_logprobs,
         )
 
 

@@ -43,6 +43,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[SampleLogprobs] | None = None  # one per output token, when params ask
+    # One per prompt token computed so far, when params ask (None for the first, which nothing
+    # predicts); each position's entry is recorded once, even when preemption recomputes it.
+    prompt_logprobs: list[SampleLogprobs | None] | None = None
     # The sample's structured-output matcher (an xgrammar GrammarMatcher) when its request has a
     # constraint: it has accepted exactly the output tokens (engine/structured_output.py).
     grammar: Any = None
@@ -52,6 +55,8 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.logprobs is None and self.params.logprobs is not None:
             self.logprobs = []
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_tokens(self) -> int:

@@ -6,10 +6,12 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
@@ -19,13 +21,19 @@ from pagedserve.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     QueueFullError,
+    RequestStream,
     sub_request_ids,
 )
 from pagedserve.outputs import StepOutput
 from pagedserve.server import responses
 from pagedserve.server.errors import ApiError, error_response, validation_message
 from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
-from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagedserve.server.responses import Choice, sse
 from pagedserve.validation import FieldError
 
@@ -40,12 +48,34 @@ class ServerState:
     api_key: str | None
     registry: CollectorRegistry
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    cors: CorsPolicy | None = None  # None: no CORS headers, browsers on other origins refused
+
+
+@dataclass
+class CorsPolicy:
+    """What browsers on other origins may do (--allowed-origins and the flags beside it)."""
+
+    allowed_origins: list[str]
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagedserve", version=VERSION)
     app.state.server = state
     app.add_middleware(RequestGuard, api_key=state.api_key, max_body_bytes=state.max_request_bytes)
+    if state.cors is not None:
+        # Outermost: a preflight, which carries no API key, is answered before the guard, and
+        # every response (a 401 too) carries the CORS headers a browser needs to read it.
+        cors = state.cors
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors.allowed_origins,
+            allow_methods=cors.allowed_methods,
+            allow_headers=cors.allowed_headers,
+            allow_credentials=cors.allow_credentials,
+        )
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -77,13 +107,18 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
         _log_unknown_fields(body)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(
+            body.max_tokens, body.logprobs, body.requested_prompt_logprobs()
+        )
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        prompts = body.prompts()
         try:
-            streams = await state.engine.add_requests(body.prompts(), params, request_id)
+            streams = await state.engine.add_requests(prompts, params, request_id)
         except FieldError as error:
             raise _as_request_field(error, body) from None
-        run = _Completion(state.model_name, request_id, body, len(streams))
+        run = _Completion(state.model_name, request_id, body, streams)
+        if body.echo:
+            run.echoes = await asyncio.to_thread(_echoes, state, prompts, streams)
         return await _respond(state, request, run, streams)
 
     @app.post("/v1/chat/completions")
@@ -104,10 +139,51 @@ def build_app(state: ServerState) -> FastAPI:
             streams = await state.engine.add_requests([prompt], params, request_id)
         except FieldError as error:
             raise _as_request_field(error, body) from None
-        run = _ChatCompletion(state.model_name, request_id, body, len(streams))
+        run = _ChatCompletion(state.model_name, request_id, body, streams)
         return await _respond(state, request, run, streams)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        engine = state.engine.engine
+        if body.messages is not None:
+            messages = [message.as_template_input() for message in body.messages]
+            work = partial(engine.chat_token_ids, messages, body.add_generation_prompt)
+        else:
+            work = partial(engine.tokenize, body.prompt, body.add_special_tokens)
+        tokens = await asyncio.to_thread(work)
+        token_strs = (
+            engine.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        )
+        return {
+            "count": len(tokens),
+            "max_model_len": engine.max_model_len,
+            "tokens": tokens,
+            "token_strs": token_strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        return {"prompt": await asyncio.to_thread(state.engine.engine.detokenize, body.tokens)}
+
     return app
+
+
+@dataclass
+class _Echo:
+    text: str  # the prompt as sent, or its token ids' text
+    first_token: str  # its first token's text, which has no logprob
+
+
+def _echoes(state: ServerState, prompts: list, streams: list[RequestStream]) -> list[_Echo]:
+    tokenizer = state.engine.engine.tokenizer
+    echoes = []
+    for prompt, stream in zip(prompts, streams, strict=True):
+        ids = stream.prompt_token_ids
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+        echoes.append(_Echo(text, tokenizer.decode(ids[:1])))
+    return echoes
 
 
 def _log_unknown_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -223,14 +299,17 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict 
     return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
 
 
-async def _respond(state: ServerState, request: Request, run: _Completion, streams: list):
+async def _respond(
+    state: ServerState, request: Request, run: _Completion, streams: list[RequestStream]
+):
     """The response, streamed or whole; whatever it leaves unread (a client gone before or
     while it is sent) is aborted, so that no request runs on, holding blocks, for nobody."""
     ids = sub_request_ids(run.request_id, len(streams))
+    outputs = [stream.outputs for stream in streams]
     if run.body.stream:
-        return _AbortingStream(run.chunks(streams), state.engine, ids)
+        return _AbortingStream(run.chunks(outputs), state.engine, ids)
     try:
-        return await _unless_disconnected(request, run.response(streams))
+        return await _unless_disconnected(request, run.response(outputs))
     finally:
         for sub_id in ids:
             state.engine.abort(sub_id)
@@ -267,12 +346,13 @@ def _as_request_field(error: FieldError, body: CompletionRequest | ChatCompletio
 class _Completion:
     kind = "text_completion"
 
-    def __init__(self, model: str, request_id: str, body, num_prompts: int):
+    def __init__(self, model: str, request_id: str, body, streams: list[RequestStream]):
         self.model, self.request_id, self.body = model, request_id, body
         self.created = responses.now_seconds()
         # Choice prompt_index * n + sample, as OpenAI numbers them.
-        self.choices = [Choice(i) for i in range(num_prompts * body.n)]
-        self.prompt_lengths = [0] * num_prompts
+        self.choices = [Choice(i) for i in range(len(streams) * body.n)]
+        self.prompt_lengths = [len(stream.prompt_token_ids) for stream in streams]
+        self.echoes: list[_Echo] | None = None  # set when the request asks for echo
 
     def _envelope(self) -> dict:
         return responses.envelope(self.request_id, self.kind, self.model, self.created)
@@ -285,12 +365,34 @@ class _Completion:
         """Records a piece; returns the index of the choice it belongs to."""
         index = prompt_index * self.body.n + output.index
         self.choices[index].add(output)
-        if output.final is not None:
-            self.prompt_lengths[prompt_index] = len(output.final.prompt_token_ids)
         return index
+
+    def _echo(self, prompt_index: int, output: StepOutput) -> dict | None:
+        """With echo, on a choice's first piece: records the prompt's text (and logprobs) ahead
+        of the output's, and returns the stream delta that carries them; None otherwise."""
+        choice = self.choices[prompt_index * self.body.n + output.index]
+        if self.echoes is None or choice.echoed:
+            return None
+        echo = self.echoes[prompt_index]
+        choice.echoed, choice.first_token = True, echo.first_token
+        choice.text.append(echo.text)
+        entries = []
+        if self.body.logprobs is not None and output.prompt_logprobs is not None:
+            entries = output.prompt_logprobs
+            choice.logprobs.extend(entries)
+        logprobs = responses.completion_logprobs(entries, 0, echo.first_token)
+        return {"index": choice.index, "text": echo.text, "logprobs": logprobs,
+                "finish_reason": None, "stop_reason": None}  # fmt: skip
+
+    def _chunk(self, payload: dict) -> str:
+        """A stream event; with stream_options.continuous_usage_stats, the usage so far too."""
+        if self.body.continuous_usage:
+            payload["usage"] = responses.usage(self.choices, self.prompt_tokens())
+        return sse(payload)
 
     async def response(self, streams) -> dict:
         async for prompt_index, output in _merge(streams):
+            self._echo(prompt_index, output)
             self._add(prompt_index, output)
         return {
             **self._envelope(),
@@ -301,13 +403,15 @@ class _Completion:
     async def chunks(self, streams) -> AsyncIterator[str]:
         try:
             async for prompt_index, output in _merge(streams):
+                echo = self._echo(prompt_index, output)
+                if echo is not None:
+                    yield self._chunk({**self._envelope(), "choices": [echo]})
                 choice = self.choices[prompt_index * self.body.n + output.index]
                 text_offset = sum(len(t) for t in choice.text)
                 index = self._add(prompt_index, output)
                 if output.new_text or output.finish_reason or output.new_logprobs:
-                    yield sse(
-                        {**self._envelope(), "choices": [self._delta(output, index, text_offset)]}
-                    )
+                    delta = self._delta(output, index, text_offset)
+                    yield self._chunk({**self._envelope(), "choices": [delta]})
             if self.body.include_usage:
                 usage = responses.usage(self.choices, self.prompt_tokens())
                 yield sse({**self._envelope(), "choices": [], "usage": usage})
@@ -316,21 +420,27 @@ class _Completion:
             yield sse(responses.error_body_for_stream(str(error)))
 
     def _choice(self, choice: Choice) -> dict:
-        logprobs = responses.completion_logprobs(choice.logprobs, 0)
-        return {
+        logprobs = responses.completion_logprobs(choice.logprobs, 0, choice.first_token)
+        body = {
             "index": choice.index,
             "text": "".join(choice.text),
             "logprobs": logprobs,
             **responses.finish_fields(choice),
         }
+        if self.body.prompt_logprobs is not None and choice.prompt_logprobs is not None:
+            body["prompt_logprobs"] = responses.prompt_logprobs(choice.prompt_logprobs)
+        return body
 
     def _delta(self, output: StepOutput, index: int, text_offset: int) -> dict:
-        return {
+        delta = {
             "index": index,
             "text": output.new_text,
             "logprobs": responses.completion_logprobs(output.new_logprobs or [], text_offset),
             **responses.finish_fields(output),
         }
+        if self.body.prompt_logprobs is not None and output.prompt_logprobs is not None:
+            delta["prompt_logprobs"] = responses.prompt_logprobs(output.prompt_logprobs)
+        return delta
 
 
 class _ChatCompletion(_Completion):
@@ -342,11 +452,13 @@ class _ChatCompletion(_Completion):
             for choice in self.choices:
                 delta = {"role": "assistant", "content": ""}
                 first = {"index": choice.index, "delta": delta, "logprobs": None}
-                yield sse({**envelope, "choices": [first | responses.finish_fields(choice)]})
+                yield self._chunk(
+                    {**envelope, "choices": [first | responses.finish_fields(choice)]}
+                )
             async for prompt_index, output in _merge(streams):
                 index = self._add(prompt_index, output)
                 if output.new_text or output.finish_reason or output.new_logprobs:
-                    yield sse({**envelope, "choices": [self._delta(output, index, 0)]})
+                    yield self._chunk({**envelope, "choices": [self._delta(output, index, 0)]})
             if self.body.include_usage:
                 usage = responses.usage(self.choices, self.prompt_tokens())
                 yield sse({**envelope, "choices": [], "usage": usage})

@@ -12,10 +12,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.server.errors import error_response
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+_KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
 
 
 class RequestGuard:
-    """ASGI middleware: paths under /v1 need `Authorization: Bearer KEY` when a key is set
+    """ASGI middleware: the API's paths (/v1, /tokenize, /detokenize) need
+    `Authorization: Bearer KEY` when a key is set
     (compared in constant time); every body is read here, up to max_body_bytes (413 beyond), and
     handed on whole."""
 
@@ -29,7 +31,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if self.expected is not None and scope["path"].startswith("/v1"):
+        if self.expected is not None and scope["path"].startswith(_KEYED_PATHS):
             given = headers.get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(401, "missing or wrong API key", "authentication_error")

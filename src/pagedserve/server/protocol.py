@@ -2,8 +2,8 @@
 
 Fields no declaration names are ignored (the server logs their names), as vLLM does, so that a
 client sending a field of a newer API version still gets its answer. Fields of features the engine
-does not implement yet (tools, suffix, echo, prompt logprobs) are declared: accepted where their
-value asks for nothing (`tools: []`), refused by name otherwise.
+does not implement yet (tools, suffix) are declared: accepted where their value asks for nothing
+(`tools: []`), refused by name otherwise.
 
 An output constraint comes in one of three spellings (OpenAI's `response_format`, vLLM's
 `structured_outputs`, vLLM's older `guided_*` fields); each becomes a StructuredOutputsParams, and
@@ -56,14 +56,8 @@ def _refused(field: str, what: str):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
-    continuous_usage_stats: bool | None = None
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _usage_at_the_end(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _refused("continuous_usage_stats", "usage in every chunk")
-        return value
+    # vLLM's: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Lenient):
@@ -171,7 +165,9 @@ class _GenerationRequest(_Lenient):
             names += self.stream_options.unknown_fields("stream_options.")
         return names
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         constraint = self.constraint()
         fields: dict[str, Any] = {
             "n": self.n,
@@ -188,6 +184,7 @@ class _GenerationRequest(_Lenient):
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "logit_bias": self.logit_bias or None,
             "structured_outputs": constraint[1] if constraint else None,
         }
@@ -199,27 +196,24 @@ class _GenerationRequest(_Lenient):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt's text (and, with logprobs, its tokens) before the output's
     suffix: str | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
             raise _refused("suffix", "text after the insertion point")
-        return value
-
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _no_prompt_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise _refused("prompt_logprobs", "the prompt's logprobs")
         return value
 
     @field_validator("prompt", mode="before")
@@ -245,6 +239,12 @@ class CompletionRequest(_GenerationRequest):
         else:
             _check_token_list("prompt", value)
         return value
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs, or logprobs when the prompt is echoed with them: the wider."""
+        asked = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        given = [count for count in asked if count is not None]
+        return max(given) if given else None
 
     def prompts(self) -> list[str | dict]:
         prompt = self.prompt
@@ -328,3 +328,37 @@ class ChatCompletionRequest(_GenerationRequest):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+
+class TokenizeRequest(_Lenient):
+    """vLLM's /tokenize: a prompt (special tokens added, as for a completion) or messages (through
+    the chat template, as for a chat)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages must be given")
+        return self
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _token_ids(cls, value):
+        bad = _first_not_of_type(value, int) if isinstance(value, list) else None
+        if not isinstance(value, list) or bad is not None:
+            where = f" (tokens[{bad}] is not)" if bad is not None else ""
+            raise ValueError(f"tokens must be a list of token ids{where}")
+        return value

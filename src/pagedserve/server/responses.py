@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.outputs import Logprob, StepOutput
 
-TokenLogprobs = list[dict[int, Logprob]]
+TokenLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -17,15 +17,21 @@ class Choice:
 
     index: int
     text: list[str] = field(default_factory=list)
+    # With echo, the prompt's entries come first, None for its first token (first_token).
     logprobs: TokenLogprobs = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    echoed: bool = False
+    first_token: str = ""
+    prompt_logprobs: TokenLogprobs | None = None
 
     def add(self, output: StepOutput) -> None:
         self.text.append(output.new_text)
         self.logprobs.extend(output.new_logprobs or [])
         self.num_tokens += len(output.new_token_ids)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.finish_reason is not None:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
 
@@ -56,17 +62,25 @@ def now_seconds() -> int:
     return int(time.time())
 
 
-def completion_logprobs(entries: TokenLogprobs, text_offset: int) -> dict | None:
-    """The completions API's column layout: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(
+    entries: TokenLogprobs, text_offset: int, first_token: str = ""
+) -> dict | None:
+    """The completions API's column layout: tokens, token_logprobs, top_logprobs, text_offset.
+    A None entry is an echoed prompt's first token (first_token), which has no logprob."""
     if not entries:
         return None
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
-        chosen = _chosen(entry)
-        token = chosen.decoded_token or ""
+        if entry is None:
+            token = first_token
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            chosen = _chosen(entry)
+            token = chosen.decoded_token or ""
+            token_logprobs.append(chosen.logprob)
+            top.append({lp.decoded_token or "": lp.logprob for lp in entry.values()})
         tokens.append(token)
-        token_logprobs.append(chosen.logprob)
-        top.append({lp.decoded_token or "": lp.logprob for lp in entry.values()})
         offsets.append(text_offset)
         text_offset += len(token)
     return {
@@ -75,6 +89,19 @@ def completion_logprobs(entries: TokenLogprobs, text_offset: int) -> dict | None
         "top_logprobs": top,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(entries: TokenLogprobs) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token, its entry by token id (None for the first)."""
+    return [
+        None
+        if entry is None
+        else {
+            str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def chat_logprobs(entries: TokenLogprobs, top_logprobs: int) -> dict | None:

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.model.source import DEFAULT_GGUF_FILE, hub_name
-from pagedserve.server.app import ServerState, build_app
+from pagedserve.server.app import CorsPolicy, ServerState, build_app
 from pagedserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagedserve.serve")
@@ -46,7 +46,14 @@ def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry, model_name, args.log_interval)
     async_engine = AsyncLLMEngine(engine, args.max_waiting, observers=[metrics.observe])
-    state = ServerState(async_engine, model_name, args.api_key, registry, args.max_request_bytes)
+    cors = None
+    if args.allowed_origins is not None:
+        cors = CorsPolicy(
+            args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials
+        )
+    state = ServerState(
+        async_engine, model_name, args.api_key, registry, args.max_request_bytes, cors
+    )
     server = uvicorn.Server(
         uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning")
     )
