@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -10,8 +11,12 @@ import httpx
 import pytest
 import torch
 
+from pagedserve.engine.model_runner import resolve_device
 from pagedserve.server.process import LocalServer
 
+# Where the engine runs by default (device "auto"): transformers' references run there too.
+TEST_DEVICE = resolve_device("auto")
+ON_CPU = TEST_DEVICE.type == "cpu"
 TINY_ARCHITECTURES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3")
 # Small enough to run in a blink, large enough that GQA, biases and norms all matter.
 _TINY_SHAPE = dict(
@@ -177,7 +182,15 @@ def _rope_variant_scaling(variant: str, rotated_fraction: float = 1.0) -> dict:
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory, default_model_dir):
+def tokenizer_dir(request) -> Path:
+    """The default model's tokenizer files: PAGEDSERVE_TEST_TOKENIZER_DIR where it is set (a GPU
+    machine given the tokenizer without the model's weights), else the default model's dir."""
+    given = os.environ.get("PAGEDSERVE_TEST_TOKENIZER_DIR")
+    return Path(given) if given else request.getfixturevalue("default_model_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tokenizer_dir):
     """Returns a function making (and caching) a random checkpoint dir for an architecture.
 
     The checkpoint reuses the default model's tokenizer, so text prompts work too.
@@ -194,8 +207,8 @@ def tiny_checkpoint(tmp_path_factory, default_model_dir):
             target = tmp_path_factory.mktemp(f"tiny-{architecture}")
             model.save_pretrained(target)
             for name in _TOKENIZER_FILES:
-                if (default_model_dir / name).is_file():
-                    shutil.copy(default_model_dir / name, target / name)
+                if (tokenizer_dir / name).is_file():
+                    shutil.copy(tokenizer_dir / name, target / name)
             made[architecture] = target
         return made[architecture]
 
@@ -223,7 +236,7 @@ def greedy_references(tiny_checkpoint, prompts: list[list[int]], max_new_tokens:
         if architecture not in cache:
             model = AutoModelForCausalLM.from_pretrained(
                 tiny_checkpoint(architecture), dtype=torch.float32
-            )
+            ).to(TEST_DEVICE)
             cache[architecture] = [reference_greedy(model, p, max_new_tokens) for p in prompts]
         return cache[architecture]
 
@@ -248,7 +261,7 @@ def reference_greedy_with_margins(
 
 def _greedy_generate(model, prompt: list[int], max_new_tokens: int, **options):
     model.generation_config.eos_token_id = None
-    input_ids = torch.tensor([prompt])
+    input_ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         return model.generate(
             input_ids,

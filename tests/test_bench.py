@@ -521,6 +521,9 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert k_rows[1].measured.startswith(f"{ratio:.2f}x") and k_rows[1].met == (ratio >= 0.9)
     (tmp_path / "bench" / "other-cpu-avx2").mkdir()
     (tmp_path / "bench" / "other-cpu-avx2" / "results.json").write_text(other.model_dump_json())
+    (tmp_path / "bench" / "a-gpu").mkdir()
+    gpu_section = "## GPU: A\n\nIts [log](gpu_check.log); see [vLLM](https://docs.vllm.ai).\n"
+    (tmp_path / "bench" / "a-gpu" / "GPU.md").write_text(gpu_section)
     main(["report", "--render-only", "--plots-dir", str(tmp_path / "bench"),
           "--output", str(tmp_path / "BENCHMARKS.md")])  # fmt: skip
     both = (tmp_path / "BENCHMARKS.md").read_text()
@@ -530,6 +533,10 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert both.count("## Targets on ") == 2 and both.count("| 6.1 | W1 output tokens/s") == 2
     assert both.count("GGUF K-quants on ") == 1 and "| ours on a.Q4_K_M.gguf | " in both
     assert both.count("Structured outputs on ") == 2
+    # A GPU's hand-written section comes last, its relative links made relative to the output.
+    assert both.rstrip().endswith(
+        "## GPU: A\n\nIts [log](bench/a-gpu/gpu_check.log); see [vLLM](https://docs.vllm.ai)."
+    )
     assert "for the file's\n100 MiB" in both
     assert HostResults.model_validate_json(results) == host  # JSON round trip, field by field
     for plot in ("w1_policies.png", "w1_kv_cache.png", "sweep.png", "seed_timeline.png"):

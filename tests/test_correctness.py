@@ -19,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.attention import AttentionBatch
+from pagedserve.model.cuda_graphs import DecodeGraphs, batch_buckets, width_buckets
 from pagedserve.model.kernels import can_use_cpu_kernels
 
 PROMPT_LENGTHS = (1, 5, 16, 17, 33, 48, 70, 130)
@@ -70,6 +71,7 @@ def test_chunked_prefill_changes_nothing(tiny_checkpoint, references):
     assert _generate(chunked) == references("llama")
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
 def test_cpu_kernels_and_torch_operators_match_transformers(
     architecture, tiny_checkpoint, references
@@ -92,6 +94,7 @@ def test_cpu_kernels_and_torch_operators_match_transformers(
     assert _generate(plain) == references(architecture)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize(
     ("architecture", "packed_dtype"),
     [("llama", "int8"), ("llama", "q4_1"), ("qwen2", "q4_1_q8"), ("qwen2", "float32")],
@@ -179,6 +182,7 @@ _PANEL_DTYPES = {
 }
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize(
     ("packed_dtype", "stand_in", "logits_stand_in"),
     [
@@ -204,6 +208,7 @@ def test_narrow_packed_weights_match_transformers_on_the_weights_they_hold(
     assert _generate(llm) == expected
 
 
+@pytest.mark.cpu_only
 def test_auto_packs_a_bfloat16_checkpoint_as_bfloat16_with_greedy_equal_to_transformers(
     tiny_checkpoint, tmp_path
 ):
@@ -237,6 +242,7 @@ def _with_weights_held(checkpoint, stand_in, logits_stand_in):
 _NEAR_TIE = 0.05
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize(
     ("architecture", "packed_dtype", "stand_in", "block_bytes"),
     [
@@ -276,6 +282,7 @@ def test_integer_products_match_transformers_on_inputs_rounded_as_they_round_the
     assert matched >= len(PROMPT_LENGTHS) * NEW_TOKENS * 3 // 4
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("architecture", ["mistral", "qwen3"])
 def test_every_attention_path_matches_transformers(architecture, tiny_checkpoint, references):
     """On CPU every token reads the cache in place in C++ (batch-invariant, the default); with
@@ -323,3 +330,52 @@ def test_bfloat16_kv_cache_matches_transformers_on_the_values_it_holds(
     expected = [reference_greedy(model, p, NEW_TOKENS) for p in _prompts()]
     assert expected != references(architecture)  # the rounding changes outputs here
     assert _generate(llm) == expected
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen3"])
+def test_padded_decode_steps_of_cuda_graphs_match_transformers(
+    architecture, tiny_checkpoint, references
+):
+    """A CUDA graph replays decode steps padded to its bucket: padded rows decode into a scratch
+    block, tables are padded to a power-of-two width with it, and masks are computed on the
+    device. The same padded steps, run eagerly here on the CPU (as on a GPU before capture),
+    give transformers' greedy tokens while the batch shrinks through unpadded and padded sizes
+    (Mistral: past its sliding window; Qwen3: with q and k norms)."""
+    llm = LLM(
+        str(tiny_checkpoint(architecture)),
+        dtype="float32",
+        cpu_kernels=False,
+        decode_kernel=False,
+        block_size=8,
+    )
+    runner = llm.engine.runner
+    runner.model.attach_kv_cache(runner.num_blocks + 1, runner.block_size, runner.kv_cache_dtype)
+    runner.decode_graphs = DecodeGraphs(
+        runner.model,
+        runner.block_size,
+        max_batch=16,
+        max_blocks=-(-runner.max_model_len // runner.block_size),
+        scratch_block=runner.num_blocks,
+        capture=False,
+    )
+    # Requests end one after another, so decode steps run 8, 7, ..., 1 rows (buckets 1-16).
+    lengths = [NEW_TOKENS - 4 * i for i in range(len(PROMPT_LENGTHS))]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in _prompts()],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
+    )
+    expected = [tokens[:n] for tokens, n in zip(references(architecture), lengths, strict=True)]
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+    scratch = runner.model.k_caches[0][runner.num_blocks]
+    assert scratch.abs().sum() > 0  # padded rows ran, and wrote their keys there alone
+
+
+def test_decode_graph_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_buckets(70) == [1, 2, 4, 8, 16, 32, 48, 64, 70]
+    assert width_buckets(3) == [3]
+    assert width_buckets(4) == [4]
+    assert width_buckets(64) == [4, 8, 16, 32, 64]
+    assert width_buckets(100) == [4, 8, 16, 32, 64, 100]

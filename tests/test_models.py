@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROPE_VARIANTS, greedy_references
+from conftest import ON_CPU, ROPE_VARIANTS, greedy_references
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagedserve import LLM, SamplingParams
@@ -78,7 +78,7 @@ def test_gemma2_matches_transformers(tiny_checkpoint, references):
     runner = llm.engine.runner
     config = runner.model_config
     assert config.layer_types == ("sliding_attention", "full_attention")
-    assert runner.packed_weight_dtypes is not None and not runner.decode_in_place
+    assert (runner.packed_weight_dtypes is not None) == ON_CPU and not runner.decode_in_place
     assert _generate(llm) == references("gemma2")
     # Capping the logits leaves the greedy token alone: the log-probabilities show it.
     prompt = _prompts()[2]
@@ -98,7 +98,7 @@ def test_gemma3_matches_transformers(tiny_checkpoint, references):
     window and rotation."""
     llm = LLM(str(tiny_checkpoint("gemma3")), dtype="float32")
     runner = llm.engine.runner
-    assert runner.model_config.rope_type == "linear" and runner.decode_in_place
+    assert runner.model_config.rope_type == "linear" and runner.decode_in_place == ON_CPU
     assert sorted(runner.model.rotary) == ["full_attention", "sliding_attention"]
     assert _generate(llm) == references("gemma3")
 
@@ -110,9 +110,10 @@ def test_mixtures_of_experts_match_transformers(architecture, tiny_checkpoint, r
     for the C++ kernels."""
     llm = LLM(str(tiny_checkpoint(architecture)), dtype="float32")
     runner = llm.engine.runner
-    assert runner.model_config.num_experts == 4 and runner.packed_weight_dtypes is not None
+    assert runner.model_config.num_experts == 4
+    assert (runner.packed_weight_dtypes is not None) == ON_CPU
     experts = runner.model.layers[0].mlp.experts
-    assert all(expert.gate_up_proj.method.name == "float32" for expert in experts)
+    assert all(expert.gate_up_proj.method.name == "float32" for expert in experts) == ON_CPU
     shared = runner.model.layers[0].mlp.shared_expert
     assert (shared is not None) == (architecture == "qwen2-moe")
     assert _generate(llm) == references(architecture)

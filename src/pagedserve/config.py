@@ -63,6 +63,8 @@ class EngineConfig:
     # a request's results never depend on what shares its batch; False attends prompts with
     # SDPA in groups, faster for long prompts and batch-dependent in the last bits.
     batch_invariant: bool = True
+    # CUDA: decode steps run op by op instead of being replayed from captured CUDA graphs.
+    enforce_eager: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -89,7 +91,7 @@ class EngineConfig:
                 f"got {self.packed_weight_dtype!r}"
             )
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "cpu_kernels",
-                     "decode_kernel", "batch_invariant"):  # fmt: skip
+                     "decode_kernel", "batch_invariant", "enforce_eager"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         parse_memory(self.kv_cache_memory)

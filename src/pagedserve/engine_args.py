@@ -79,6 +79,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="on CPU, results bit-identical whatever shares a request's batch (true); false "
         "attends prompts with SDPA, faster for long prompts",
     )
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps op by op instead of replaying captured CUDA graphs",
+    )
     group.add_argument("--seed", type=int, default=defaults["seed"])
 
 

@@ -8,6 +8,7 @@ the templates their number formats.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import jinja2
@@ -304,15 +305,21 @@ def _environment() -> jinja2.Environment:
 
 
 def write_benchmarks(results_dir: Path, output: Path) -> Path:
-    """BENCHMARKS.md from every kind's results.json under results_dir, newest first."""
+    """BENCHMARKS.md from every kind's results.json under results_dir, newest first, then each
+    GPU's section as written from scripts/gpu_check.sh's output (<kind>/GPU.md), its links
+    made relative to output."""
     hosts = [
         HostResults.model_validate_json(path.read_text())
         for path in sorted(results_dir.glob("*/results.json"))
     ]
     hosts.sort(key=lambda host: host.date, reverse=True)
     link = Path(os.path.relpath(results_dir.resolve(), output.parent.resolve())).as_posix()
+    gpus = [
+        re.sub(r"\]\((?![a-z]+:)([^)]+)\)", rf"]({link}/{path.parent.name}/\1)", path.read_text())
+        for path in sorted(results_dir.glob("*/GPU.md"))
+    ]
     template = _environment().get_template("benchmarks.md.j2")
-    output.write_text(template.render(hosts=hosts, link=link))
+    output.write_text(template.render(hosts=hosts, link=link, gpus=gpus))
     return output
 
 

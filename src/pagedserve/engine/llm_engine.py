@@ -62,10 +62,7 @@ class LLMEngine:
             model_dir, model_config, config, self.eos_token_ids, gguf_file(config.model)
         )
         self.vocab_size = model_config.vocab_size
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-        )
+        self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

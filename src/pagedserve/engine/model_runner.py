@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -22,6 +23,7 @@ from pagedserve.model.checkpoint import (
 )
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.cpu_features import CpuFeatures
+from pagedserve.model.cuda_graphs import DecodeGraphs
 from pagedserve.model.decoder import DecoderModel
 from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.kernels import can_use_cpu_kernels, cpu_kernels_available
@@ -201,7 +203,40 @@ class ModelRunner:
         )
         # Every token read in place, so that results are batch-invariant (AttentionBatch.build).
         self.prefill_in_place = self.decode_in_place and config.batch_invariant
-        self.model.attach_kv_cache(self.num_blocks, config.block_size, self.kv_cache_dtype)
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        # CUDA graphs replay decode steps (model/cuda_graphs.py), except where a step's work
+        # depends on its values: experts chosen per token, longrope's per-prompt factors.
+        self.decode_graphs: DecodeGraphs | None = None
+        graphs = (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and not any(model_config.moe_layers)
+            and self.model.long_after is None
+        )
+        # With graphs, one block past the block manager's is the padded rows' scratch block.
+        self.model.attach_kv_cache(self.num_blocks + graphs, config.block_size, self.kv_cache_dtype)
+        if graphs:
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.block_size,
+                max_batch=config.max_num_seqs,
+                max_blocks=-(-self.max_model_len // self.block_size),
+                scratch_block=self.num_blocks,
+                capture=True,
+            )
+            started = time.perf_counter()
+            self.decode_graphs.capture_all()
+            logger.info(
+                "captured %d CUDA graphs of decode steps (batch sizes %s, table widths %s "
+                "blocks) in %.1f s",
+                len(self.decode_graphs.graphs),
+                self.decode_graphs.batch_sizes,
+                self.decode_graphs.widths,
+                time.perf_counter() - started,
+            )
         self.sampling = SamplingState(self.device, self.model_config.vocab_size, eos_token_ids)
         if self.device.type == "cpu":
             path = "C++ kernels" if self.packed_weight_dtypes is not None else "torch operators"
@@ -267,6 +302,15 @@ class ModelRunner:
                 samplers = [seq, *batch.forks.get(seq, ())]
                 sampling_rows += [len(input_ids) - 1] * len(samplers)
                 sampling_seqs += samplers
+        if (
+            self.decode_graphs is not None
+            and len(input_ids) == len(query_lens)
+            and not prompt_seqs
+            and self.decode_graphs.fits(len(input_ids), max(map(len, block_tables)))
+        ):
+            timer.lap("prepare")
+            hidden = self.decode_graphs.run(input_ids, context_lens, block_tables)
+            return self._finish(hidden, sampling_rows, sampling_seqs, [], timer)
         attention = AttentionBatch.build(
             query_lens,
             context_lens,
@@ -282,6 +326,17 @@ class ModelRunner:
         long_tensor = torch.tensor(long_prompts, device=self.device) if long_prompts else None
         hidden = self.model(input_tensor, attention, long_tensor)
         prompt = self._prompt_logprobs(hidden, prompt_rows, prompt_seqs) if prompt_seqs else []
+        return self._finish(hidden, sampling_rows, sampling_seqs, prompt, timer)
+
+    def _finish(
+        self,
+        hidden: torch.Tensor,
+        sampling_rows: list[int],
+        sampling_seqs: list[Sequence],
+        prompt: list[PromptLogprobs],
+        timer: PhaseTimer,
+    ) -> tuple[list[Sampled], list[PromptLogprobs]]:
+        """The logits of the sampling rows of the step's hidden states, and the tokens drawn."""
         if not sampling_seqs:
             timer.lap("forward")
             return [], prompt

@@ -65,6 +65,25 @@ class AttentionGroup:
         return cls(token_index, tables, None, None, 1, context_lens)
 
     @classmethod
+    def decodes(
+        cls,
+        context_lens: torch.Tensor,
+        tables: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+    ) -> AttentionGroup:
+        """One query per sequence, the last of its context: what build gives for such a group,
+        computed by tensor operations alone (no value read back to the host), so that a CUDA
+        graph can capture it."""
+        key_positions = torch.arange(tables.shape[1] * block_size, device=tables.device)
+        causal = key_positions < context_lens[:, None]
+        window_mask = None
+        if sliding_window is not None:
+            in_window = causal & (key_positions >= context_lens[:, None] - sliding_window)
+            window_mask = in_window[:, None, None, :]
+        return cls(None, tables, None, causal[:, None, None, :], 1, window_mask=window_mask)
+
+    @classmethod
     def build(
         cls,
         q_lens: torch.Tensor,
@@ -189,6 +208,23 @@ class AttentionBatch:
                 for bucket, rows in rows_by_bucket.items()
             ]
         return cls(positions, slot_mapping, groups)
+
+    @classmethod
+    def padded_decodes(
+        cls,
+        context_lens: torch.Tensor,
+        tables: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+    ) -> AttentionBatch:
+        """A step of single-token decodes from tensors of fixed shape (CUDA graphs): tables
+        [sequences, width] padded with any block, context_lens [sequences]. Every tensor is
+        computed on the device, none read back."""
+        positions = context_lens - 1
+        blocks = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        slot_mapping = blocks * block_size + positions % block_size
+        group = AttentionGroup.decodes(context_lens, tables, block_size, sliding_window)
+        return cls(positions, slot_mapping, [group])
 
     @classmethod
     def _in_place_decodes(

@@ -111,7 +111,8 @@ def sample(
 
         rows, bitmask = batch.allowed
         logits = logits.clone() if batch.bias is None else logits  # the caller's stay as given
-        apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+        # xgrammar's matchers fill the bitmask in host memory; the logits may be on a GPU.
+        apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.penalties is not None:
