@@ -180,8 +180,8 @@ BAD_REQUESTS = [
     ({"suffix": "x"}, 400, "suffix"),
     ({"echo": "loudly"}, 400, "echo"),
     ({"prompt_logprobs": 21}, 400, "prompt_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({"tool_choice": "required"}, 400, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, 400, "functions"),
+    ({"function_call": {"name": "f"}}, 400, "function_call"),
     (
         {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
         400,

@@ -9,6 +9,7 @@ import sys
 
 from pagedserve.engine_args import add_engine_args, engine_config
 from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES
+from pagedserve.server.tool_calls import TOOL_CALL_PARSERS
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="largest request body accepted; larger ones get 413",
     )
     group.add_argument("--log-interval", type=float, default=5.0, help="seconds between stat lines")
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default with tools): the model decides, its calls read '
+        "by --tool-call-parser",
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="how the model writes tool calls: hermes (Qwen, Hermes), llama3_json, mistral",
+    )
     cors = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
     cors.add_argument(
         "--allowed-origins", type=_json_list, default=None,
@@ -121,6 +135,8 @@ def _serve(args: argparse.Namespace) -> None:
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.serve import serve
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     serve(args, LLMEngine(engine_config(args)))
 
 

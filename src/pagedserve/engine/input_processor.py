@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -23,7 +24,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.validation import FieldError, check_unicode
 
 PromptInput = str | list[int] | dict
-Conversation = list[dict[str, str]]  # chat messages: role and content
+Conversation = list[dict[str, Any]]  # chat messages: role, content, tool calls
 
 
 class InputProcessor:
@@ -90,11 +91,15 @@ class InputProcessor:
         )
 
     def chat_token_ids(
-        self, conversation: Conversation, add_generation_prompt: bool = True
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The conversation through the model's chat template, up to the assistant's turn to
-        come (or not, without add_generation_prompt); ValueError when the model has no template
-        or its template refuses the conversation (some raise on roles that do not alternate)."""
+        come (or not, without add_generation_prompt), with the tools the template shows the
+        model (OpenAI's shape); ValueError when the model has no template or its template
+        refuses the conversation (some raise on roles that do not alternate)."""
         if self.tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
         chars = 0
@@ -107,6 +112,7 @@ class InputProcessor:
         try:
             token_ids = self.tokenizer.apply_chat_template(
                 conversation,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,

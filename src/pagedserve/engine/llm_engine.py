@@ -138,10 +138,14 @@ class LLMEngine:
         return self.inputs.make_sequence(prompt, params, request_id)
 
     def chat_token_ids(
-        self, conversation: Conversation, add_generation_prompt: bool = True
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """The conversation through the model's chat template (up to the assistant's turn)."""
-        return self.inputs.chat_token_ids(conversation, add_generation_prompt)
+        """The conversation (and tools) through the model's chat template (up to the
+        assistant's turn)."""
+        return self.inputs.chat_token_ids(conversation, add_generation_prompt, tools)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The text's token ids, as a completion's prompt is tokenized (ValueError as there)."""

@@ -30,11 +30,14 @@ from pagedserve.server.errors import ApiError, error_response, validation_messag
 from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    template_tools,
 )
 from pagedserve.server.responses import Choice, sse
+from pagedserve.server.tool_calls import PARSERS, ToolCall, calls_from_required
 from pagedserve.validation import FieldError
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,8 @@ class ServerState:
     registry: CollectorRegistry
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     cors: CorsPolicy | None = None  # None: no CORS headers, browsers on other origins refused
+    # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto" reads calls with it.
+    tool_parser: str | None = None
 
 
 @dataclass
@@ -133,13 +138,20 @@ def build_app(state: ServerState) -> FastAPI:
                 message = message.replace("max_tokens", "max_completion_tokens")
                 raise FieldError("max_completion_tokens", message) from None
             raise
+        if body.tool_mode() == "auto" and state.tool_parser is None:
+            raise FieldError(
+                "tool_choice",
+                'tool_choice "auto" (the default with tools) needs the server started with '
+                '--enable-auto-tool-choice and --tool-call-parser; send tool_choice "none", '
+                '"required" or a named function otherwise',
+            )
         prompt = {"prompt_token_ids": await asyncio.to_thread(_chat_tokens, state, body)}
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = await state.engine.add_requests([prompt], params, request_id)
         except FieldError as error:
             raise _as_request_field(error, body) from None
-        run = _ChatCompletion(state.model_name, request_id, body, streams)
+        run = _ChatCompletion(state.model_name, request_id, body, streams, state.tool_parser)
         return await _respond(state, request, run, streams)
 
     @app.post("/tokenize")
@@ -147,8 +159,9 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         engine = state.engine.engine
         if body.messages is not None:
-            messages = [message.as_template_input() for message in body.messages]
-            work = partial(engine.chat_token_ids, messages, body.add_generation_prompt)
+            messages = _template_messages(body.messages)
+            tools = template_tools(body.tools)
+            work = partial(engine.chat_token_ids, messages, body.add_generation_prompt, tools)
         else:
             work = partial(engine.tokenize, body.prompt, body.add_special_tokens)
         tokens = await asyncio.to_thread(work)
@@ -241,8 +254,18 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 def _chat_tokens(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    messages = [message.as_template_input() for message in body.messages]
-    return state.engine.engine.chat_token_ids(messages)
+    messages = _template_messages(body.messages)
+    return state.engine.engine.chat_token_ids(messages, tools=body.template_tools())
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+    found = []
+    for index, message in enumerate(messages):
+        try:
+            found.append(message.as_template_input())
+        except ValueError as error:
+            raise FieldError("messages", f"messages[{index}].{error}") from None
+    return found
 
 
 async def _merge(
@@ -446,6 +469,14 @@ class _Completion:
 class _ChatCompletion(_Completion):
     kind = "chat.completion"
 
+    def __init__(self, model: str, request_id: str, body, streams, tool_parser: str | None):
+        super().__init__(model, request_id, body, streams)
+        self.tool_mode = body.tool_mode()
+        named = body.named_function()
+        self.named_call = [ToolCall(named["name"], "") for _ in self.choices] if named else None
+        self.parser = PARSERS[tool_parser]() if self.tool_mode == "auto" else None
+        self.sent = [0] * len(self.choices)  # streamed: each choice's text sent as content
+
     async def chunks(self, streams) -> AsyncIterator[str]:
         envelope = {**self._envelope(), "object": "chat.completion.chunk"}
         try:
@@ -457,8 +488,9 @@ class _ChatCompletion(_Completion):
                 )
             async for prompt_index, output in _merge(streams):
                 index = self._add(prompt_index, output)
-                if output.new_text or output.finish_reason or output.new_logprobs:
-                    yield self._chunk({**envelope, "choices": [self._delta(output, index, 0)]})
+                delta = self._delta(output, index, 0)
+                if delta["delta"] or output.finish_reason or output.new_logprobs:
+                    yield self._chunk({**envelope, "choices": [delta]})
             if self.body.include_usage:
                 usage = responses.usage(self.choices, self.prompt_tokens())
                 yield sse({**envelope, "choices": [], "usage": usage})
@@ -469,18 +501,78 @@ class _ChatCompletion(_Completion):
     def _top_logprobs(self) -> int:
         return self.body.top_logprobs or 0
 
+    def _calls(self, index: int, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A finished choice's content and tool calls (server/tool_calls.py)."""
+        if self.named_call is not None:
+            call = self.named_call[index]
+            call.arguments = text
+            return None, [call]
+        if self.tool_mode == "required":
+            calls = calls_from_required(text)
+            return (text, []) if calls is None else (None, calls)
+        if self.parser is not None:
+            return self.parser.parse(text)
+        return text, []
+
+    def _finish_fields(self, source: StepOutput | Choice, calls: list[ToolCall]) -> dict:
+        fields = responses.finish_fields(source)
+        if calls and self.named_call is None and fields["finish_reason"] == "stop":
+            fields["finish_reason"] = "tool_calls"
+        return fields
+
     def _choice(self, choice: Choice) -> dict:
+        content, calls = self._calls(choice.index, "".join(choice.text))
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_dict() for call in calls]
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "message": message,
             "logprobs": responses.chat_logprobs(choice.logprobs, self._top_logprobs()),
-            **responses.finish_fields(choice),
+            **self._finish_fields(choice, calls),
         }
 
     def _delta(self, output: StepOutput, index: int, text_offset: int) -> dict:
+        delta, calls = self._tool_delta(output, index)
         return {
             "index": index,
-            "delta": {"content": output.new_text},
+            "delta": delta,
             "logprobs": responses.chat_logprobs(output.new_logprobs or [], self._top_logprobs()),
-            **responses.finish_fields(output),
+            **self._finish_fields(output, calls),
         }
+
+    def _tool_delta(self, output: StepOutput, index: int) -> tuple[dict, list[ToolCall]]:
+        """The stream delta of a piece, and the calls it completes. A named call streams its
+        arguments as they come; otherwise content is sent up to where a call may begin (all of
+        it without tools), and calls are sent whole when the choice ends."""
+        if self.tool_mode == "none":
+            return ({"content": output.new_text} if output.new_text else {}), []
+        if self.named_call is not None:
+            call = self.named_call[index]
+            if not output.new_text and self.sent[index]:
+                return {}, []
+            first = self.sent[index] == 0
+            self.sent[index] += len(output.new_text) or 1
+            piece = {"index": 0, "function": {"arguments": output.new_text}}
+            if first:
+                piece = {"index": 0, "id": call.id, "type": "function",
+                         "function": {"name": call.name, "arguments": output.new_text}}  # fmt: skip
+            return {"tool_calls": [piece]}, []
+        text = "".join(self.choices[index].text)
+        calls: list[ToolCall] = []
+        if output.finish_reason is not None:
+            _, calls = self._calls(index, text)
+            end = len(text)
+            if calls:  # content ends where the calls begin; a required output is all calls
+                end = self.parser.held_from(text) if self.parser else self.sent[index]
+        elif self.parser is not None:
+            end = self.parser.held_from(text)
+        else:
+            end = self.sent[index]  # required: nothing is content until it ends
+        delta: dict = {}
+        if end > self.sent[index]:
+            delta["content"] = text[self.sent[index] : end]
+            self.sent[index] = end
+        if calls:
+            delta["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
+        return delta, calls

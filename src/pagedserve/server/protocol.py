@@ -2,8 +2,8 @@
 
 Fields no declaration names are ignored (the server logs their names), as vLLM does, so that a
 client sending a field of a newer API version still gets its answer. Fields of features the engine
-does not implement yet (tools, suffix) are declared: accepted where their value asks for nothing
-(`tools: []`), refused by name otherwise.
+does not implement (suffix, the legacy functions) are declared: accepted where their value asks
+for nothing (`functions: []`), refused by name otherwise.
 
 An output constraint comes in one of three spellings (OpenAI's `response_format`, vLLM's
 `structured_outputs`, vLLM's older `guided_*` fields); each becomes a StructuredOutputsParams, and
@@ -15,6 +15,7 @@ the model (vocabulary, context) by the engine."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -34,9 +35,11 @@ from pagedserve.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from pagedserve.server import tool_calls
 from pagedserve.validation import FieldError
 
 MAX_MESSAGES = 4096
+MAX_TOOLS = 128  # OpenAI's limit on tools, and here on one message's calls too
 MAX_CONTENT_PARTS = 4096
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
@@ -115,31 +118,29 @@ class _GenerationRequest(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Declared, not implemented: accepted only where they ask for nothing.
-    tools: list[Any] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    # OpenAI's legacy function calling, declared, not implemented: accepted only where it asks
+    # for nothing (tools and tool_choice replace it).
     functions: list[Any] | None = None
     function_call: str | dict | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, value: list | None, info: ValidationInfo) -> list | None:
+    def _no_functions(cls, value: list | None, info: ValidationInfo) -> list | None:
         if value:
-            raise _refused(info.field_name, "tool calling")
+            raise _refused(info.field_name, "legacy function calling (send tools)")
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, value: str | dict | None, info: ValidationInfo):
-        if value not in (None, "none", "auto"):  # with no tools, auto calls none
-            raise _refused(info.field_name, f"tool choice {value!r}")
+    def _no_function_call(cls, value: str | dict | None, info: ValidationInfo):
+        if value not in (None, "none", "auto"):  # with no functions, auto calls none
+            raise _refused(info.field_name, f"function call {value!r} (send tool_choice)")
         return value
 
     def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
         """The output constraint and the field it came in; a FieldError naming the fields when
         more than one asks for one."""
-        given: dict[str, dict[str, Any]] = {}
+        given: dict[str, dict[str, Any]] = self._tool_constraint()
         if self.response_format is not None and self.response_format.constraint():
             given["response_format"] = self.response_format.constraint()
         if self.structured_outputs is not None:
@@ -158,6 +159,9 @@ class _GenerationRequest(_Lenient):
             return field, StructuredOutputsParams(**fields)
         except ValidationError as error:
             raise FieldError(field, f"{field}: {_first_error(error)}") from None
+
+    def _tool_constraint(self) -> dict[str, dict[str, Any]]:
+        return {}  # chat requests hold a required or named tool call to its schema
 
     def unknown_fields(self, prefix: str = "") -> list[str]:
         names = super().unknown_fields(prefix)
@@ -266,6 +270,21 @@ def _first_error(error: ValidationError) -> str:
     return f"{where}: {message}" if where else message
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as chat templates read them (OpenAI's shape), or None when none are given."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": _function(tool)} for tool in tools]
+
+
+def _function(tool: Tool) -> dict[str, Any]:
+    return tool.function.model_dump(exclude_none=True, exclude={"strict"})
+
+
+def _choice_name(choice: str | NamedToolChoice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+
+
 def _check_token_list(field: str, items: list) -> None:
     if not items:
         raise ValueError(f"{field} must not be an empty list")
@@ -285,25 +304,88 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(_Lenient):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the parameters are always enforced exactly when held to them
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCallMessage(_Lenient):
+    """A call in an assistant message of the conversation so far."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only in an assistant message that makes tool calls.
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: Annotated[list[ToolCallMessage], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, value: list | None) -> list | None:
-        if value:
-            raise _refused("tool_calls", "tool calling")
-        return value
+    @model_validator(mode="after")
+    def _content_unless_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except in an assistant message with tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls are only for assistant messages")
+        return self
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it; tool calls' arguments as objects, as the
+        templates of tool-calling models expect them (a ValueError naming a call whose
+        arguments are not a JSON object)."""
         content = self.content
-        if not isinstance(content, str):
+        if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                self._template_call(i, call) for i, call in enumerate(self.tool_calls)
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and role == "tool":
+            message["name"] = self.name
+        return message
+
+    @staticmethod
+    def _template_call(index: int, call: ToolCallMessage) -> dict[str, Any]:
+        try:
+            arguments = json.loads(call.function.arguments)
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ValueError(
+                f"tool_calls[{index}].function.arguments is not a JSON object: "
+                f"{call.function.arguments[:80]!r}"
+            )
+        function = {"name": call.function.name, "arguments": arguments}
+        return {"id": call.id, "type": "function", "function": function}
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -312,6 +394,53 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    # Without it: "auto" when tools are given, else "none" (OpenAI's defaults).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _choice_among_tools(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) or choice == "required":
+            if not self.tools:
+                raise ValueError(f"tool_choice {_choice_name(choice)} needs tools")
+            if isinstance(choice, NamedToolChoice) and self.named_function() is None:
+                declared = ", ".join(tool.function.name for tool in self.tools)
+                raise ValueError(
+                    f"tool_choice names {choice.function.name!r}, not among the tools ({declared})"
+                )
+        return self
+
+    def tool_mode(self) -> str:
+        """none, auto, required or named (see server/tool_calls.py)."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def named_function(self) -> dict[str, Any] | None:
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        name = self.tool_choice.function.name
+        return next(
+            (_function(tool) for tool in self.tools or () if tool.function.name == name),
+            None,
+        )
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return template_tools(self.tools)
+
+    def _tool_constraint(self) -> dict[str, dict[str, Any]]:
+        mode = self.tool_mode()
+        if mode == "named":
+            return {"tool_choice": {"json": tool_calls.parameters_schema(self.named_function())}}
+        if mode == "required":
+            functions = [_function(tool) for tool in self.tools]
+            schema = tool_calls.required_schema(functions, self.parallel_tool_calls)
+            return {"tool_choice": {"json": schema}}
+        return {}
 
     def unknown_fields(self, prefix: str = "") -> list[str]:
         names = super().unknown_fields(prefix)
@@ -339,6 +468,7 @@ class TokenizeRequest(_Lenient):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
         None
     )
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # shown by templates
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -51,8 +51,9 @@ def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
         cors = CorsPolicy(
             args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials
         )
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     state = ServerState(
-        async_engine, model_name, args.api_key, registry, args.max_request_bytes, cors
+        async_engine, model_name, args.api_key, registry, args.max_request_bytes, cors, parser
     )
     server = uvicorn.Server(
         uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning")
