@@ -518,6 +518,35 @@ def test_cors_is_off_by_default_and_follows_the_flags(checkpoint, server):
         process.close()
 
 
+def test_chat_prompt_logprobs_are_those_of_the_templates_tokens(server, client, offline):
+    """vLLM's prompt_logprobs on a chat: the chat template's tokens scored as a completion of
+    the same token ids scores them, top-level in the answer, streamed or not."""
+    messages = [{"role": "user", "content": "Name a color."}]
+    prompt_ids = httpx.post(
+        f"{server.base_url}/tokenize",
+        json={"messages": messages},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()["tokens"]
+    expected = offline.generate(
+        {"prompt_token_ids": prompt_ids}, _greedy(2).model_copy(update={"prompt_logprobs": 1})
+    )[0].prompt_logprobs
+    request = dict(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                   extra_body={"prompt_logprobs": 1})  # fmt: skip
+    whole = client.chat.completions.create(**request).model_extra["prompt_logprobs"]
+    assert len(whole) == len(prompt_ids) and whole[0] is None and expected[0] is None
+    for token, entry, reference in zip(prompt_ids[1:], whole[1:], expected[1:], strict=True):
+        assert entry[str(token)]["logprob"] == reference[token].logprob
+        assert len(entry) <= 2  # the prompt's token and the top one
+    streamed = [
+        chunk.model_extra["prompt_logprobs"]
+        for chunk in client.chat.completions.create(stream=True, **request)
+        if chunk.model_extra.get("prompt_logprobs")
+    ]
+    assert streamed == [whole]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert "prompt_logprobs" not in plain.model_extra
+
+
 def test_echo_with_logprobs_gives_the_engines_prompt_logprobs(client, offline):
     """lm-evaluation-harness's scoring request: the prompt echoed before the output, its tokens'
     logprobs first (null for the first token), streamed or not; and vLLM's prompt_logprobs."""

@@ -131,7 +131,9 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         _log_unknown_fields(body)
         try:
-            params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
+            params = body.sampling_params(
+                body.requested_max_tokens(), body.requested_logprobs(), body.prompt_logprobs
+            )
         except ValidationError as error:
             message, param = validation_message(error)
             if param == "max_tokens" and body.max_completion_tokens is not None:
@@ -360,7 +362,7 @@ def _as_request_field(error: FieldError, body: CompletionRequest | ChatCompletio
         error.field = "messages"
     elif error.field == "max_tokens" and chat and body.max_completion_tokens is not None:
         error.field = "max_completion_tokens"
-    elif error.field == "structured_outputs" and (constraint := body.constraint()) is not None:
+    elif error.field == "structured_outputs" and (constraint := body.constraint) is not None:
         field = constraint[0]
         error = FieldError(field, str(error).replace("structured_outputs", field, 1))
     return error
@@ -489,14 +491,25 @@ class _ChatCompletion(_Completion):
             async for prompt_index, output in _merge(streams):
                 index = self._add(prompt_index, output)
                 delta = self._delta(output, index, 0)
-                if delta["delta"] or output.finish_reason or output.new_logprobs:
-                    yield self._chunk({**envelope, "choices": [delta]})
+                prompt = self._prompt_logprobs(output.prompt_logprobs)
+                if delta["delta"] or output.finish_reason or output.new_logprobs or prompt:
+                    yield self._chunk({**envelope, "choices": [delta], **prompt})
             if self.body.include_usage:
                 usage = responses.usage(self.choices, self.prompt_tokens())
                 yield sse({**envelope, "choices": [], "usage": usage})
             yield sse("[DONE]")
         except EngineDeadError as error:
             yield sse(responses.error_body_for_stream(str(error)))
+
+    async def response(self, streams) -> dict:
+        whole = await super().response(streams)
+        return whole | self._prompt_logprobs(self.choices[0].prompt_logprobs)
+
+    def _prompt_logprobs(self, entries) -> dict:
+        """vLLM's top-level prompt_logprobs, when asked for and these are the prompt's."""
+        if self.body.prompt_logprobs is None or entries is None:
+            return {}
+        return {"prompt_logprobs": responses.prompt_logprobs(entries)}
 
     def _top_logprobs(self) -> int:
         return self.body.top_logprobs or 0

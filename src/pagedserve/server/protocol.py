@@ -16,6 +16,7 @@ the model (vocabulary, context) by the engine."""
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -137,12 +138,13 @@ class _GenerationRequest(_Lenient):
             raise _refused(info.field_name, f"function call {value!r} (send tool_choice)")
         return value
 
+    @cached_property
     def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
-        """The output constraint and the field it came in; a FieldError naming the fields when
-        more than one asks for one."""
+        """The output constraint and the field it came in (built once); a FieldError naming the
+        fields when more than one asks for one."""
         given: dict[str, dict[str, Any]] = self._tool_constraint()
-        if self.response_format is not None and self.response_format.constraint():
-            given["response_format"] = self.response_format.constraint()
+        if self.response_format is not None and (asked := self.response_format.constraint()):
+            given["response_format"] = asked
         if self.structured_outputs is not None:
             given["structured_outputs"] = self.structured_outputs
         for field, key in _GUIDED_FIELDS.items():
@@ -172,7 +174,7 @@ class _GenerationRequest(_Lenient):
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
-        constraint = self.constraint()
+        constraint = self.constraint
         fields: dict[str, Any] = {
             "n": self.n,
             "temperature": self.temperature,
@@ -394,6 +396,8 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's: the logprobs of the prompt's tokens (the chat template's), top-level in the answer.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     # Without it: "auto" when tools are given, else "none" (OpenAI's defaults).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
