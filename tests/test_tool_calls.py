@@ -1,10 +1,12 @@
-"""Tool calls through a real server and the official openai client: a named function and
-"required" held to their schemas by the grammar, "auto" read by the server's parser, tool
-messages in the conversation, streamed as whole; and each parser on its model's format."""
+"""Tool calls through a real server and the official openai client (and LangChain): a named
+function and "required" held to their schemas by the grammar, "auto" read by the server's
+parser, tool messages in the conversation, streamed as whole; and each parser on its model's
+format."""
 
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import openai
@@ -319,3 +321,27 @@ def test_streaming_holds_back_what_may_begin_a_call():
     assert Llama3JsonParser().held_from(' {"name"') == 0
     assert Llama3JsonParser().held_from("<|python") == 0
     assert Llama3JsonParser().held_from("Hello") == 5
+
+
+def test_langchain_binds_tools_and_parses_structured_output(server):
+    """LangChain's ChatOpenAI against the server: bind_tools with a forced tool gives a tool
+    call with arguments of the tool's schema; with_structured_output parses into the model."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Forecast(BaseModel):
+        """The weather in a city."""
+
+        city: Literal["Paris", "Oslo", "Lima"]
+        celsius: int
+
+    chat = ChatOpenAI(
+        base_url=f"{server.base_url}/v1", api_key="none", model="smol", max_tokens=60,
+        temperature=0, max_retries=0,
+    )  # fmt: skip
+    message = chat.bind_tools([Forecast], tool_choice="Forecast").invoke(ASK[0]["content"])
+    (call,) = message.tool_calls
+    assert call["name"] == "Forecast" and call["args"]["city"] in ("Paris", "Oslo", "Lima")
+    assert isinstance(call["args"]["celsius"], int)
+    parsed = chat.with_structured_output(Forecast).invoke(ASK[0]["content"])
+    assert isinstance(parsed, Forecast)
