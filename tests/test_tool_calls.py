@@ -321,6 +321,7 @@ def test_streaming_holds_back_what_may_begin_a_call():
     assert Llama3JsonParser().held_from(' {"name"') == 0
     assert Llama3JsonParser().held_from("<|python") == 0
     assert Llama3JsonParser().held_from("Hello") == 5
+    assert Llama3JsonParser().held_from('{"name"', at_start=False) == len('{"name"')
 
 
 def test_langchain_binds_tools_and_parses_structured_output(server):

@@ -9,7 +9,7 @@ import sys
 
 from pagedserve.engine_args import add_engine_args, engine_config
 from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES
-from pagedserve.server.tool_calls import TOOL_CALL_PARSERS
+from pagedserve.server.tool_calls import PARSERS
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     tools.add_argument(
         "--tool-call-parser",
-        choices=TOOL_CALL_PARSERS,
+        choices=tuple(PARSERS),
         default=None,
         help="how the model writes tool calls: hermes (Qwen, Hermes), llama3_json, mistral",
     )

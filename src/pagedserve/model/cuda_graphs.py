@@ -40,8 +40,10 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def width_buckets(max_blocks: int) -> list[int]:
-    """The table widths captured: powers of two from 4 blocks up to max_blocks, and max_blocks."""
-    widths = [1 << bits for bits in range(2, max_blocks.bit_length()) if 1 << bits < max_blocks]
+    """The table widths captured: powers of two from _NARROWEST blocks up to max_blocks, and
+    max_blocks."""
+    first = _NARROWEST.bit_length() - 1
+    widths = [1 << bits for bits in range(first, max_blocks.bit_length()) if 1 << bits < max_blocks]
     return [*widths, max_blocks]
 
 

@@ -257,7 +257,7 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 def _chat_tokens(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     messages = _template_messages(body.messages)
-    return state.engine.engine.chat_token_ids(messages, tools=body.template_tools())
+    return state.engine.engine.chat_token_ids(messages, tools=template_tools(body.tools))
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -478,6 +478,7 @@ class _ChatCompletion(_Completion):
         self.named_call = [ToolCall(named["name"], "") for _ in self.choices] if named else None
         self.parser = PARSERS[tool_parser]() if self.tool_mode == "auto" else None
         self.sent = [0] * len(self.choices)  # streamed: each choice's text sent as content
+        self.unsent = [""] * len(self.choices)  # streamed with a parser: the text held back
 
     async def chunks(self, streams) -> AsyncIterator[str]:
         envelope = {**self._envelope(), "object": "chat.completion.chunk"}
@@ -571,21 +572,22 @@ class _ChatCompletion(_Completion):
                 piece = {"index": 0, "id": call.id, "type": "function",
                          "function": {"name": call.name, "arguments": output.new_text}}  # fmt: skip
             return {"tool_calls": [piece]}, []
-        text = "".join(self.choices[index].text)
         calls: list[ToolCall] = []
-        if output.finish_reason is not None:
-            _, calls = self._calls(index, text)
-            end = len(text)
-            if calls:  # content ends where the calls begin; a required output is all calls
-                end = self.parser.held_from(text) if self.parser else self.sent[index]
-        elif self.parser is not None:
-            end = self.parser.held_from(text)
-        else:
-            end = self.sent[index]  # required: nothing is content until it ends
         delta: dict = {}
-        if end > self.sent[index]:
-            delta["content"] = text[self.sent[index] : end]
-            self.sent[index] = end
+        if output.finish_reason is not None:
+            _, calls = self._calls(index, "".join(self.choices[index].text))
+        if self.parser is not None:  # content is streamed up to where a call may begin
+            unsent = self.unsent[index] + output.new_text
+            end = len(unsent)
+            if calls or output.finish_reason is None:
+                end = self.parser.held_from(unsent, at_start=self.sent[index] == 0)
+            if end:
+                delta["content"] = unsent[:end]
+                self.sent[index] += end
+            self.unsent[index] = unsent[end:]
+        elif output.finish_reason is not None and not calls:  # required, and not a list of calls
+            text = "".join(self.choices[index].text)
+            delta = {"content": text} if text else {}
         if calls:
             delta["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
         return delta, calls

@@ -39,10 +39,11 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return _AsciiJSONResponse(error_body(message, kind, param, status), status, headers=headers)
 
 
-def validation_message(error, skip: tuple[str, ...] = ()) -> tuple[str, str]:
+def validation_message(error, skip: tuple[str, ...] = (), within: str = "") -> tuple[str, str]:
     """(message, param) of a pydantic ValidationError or FastAPI's RequestValidationError: the
     first few problems, each 'field: what is wrong', and the first field named. skip: location
-    parts left out of field names (FastAPI's 'body')."""
+    parts left out of field names (FastAPI's 'body'); within: the field holding the validated
+    object, which names start from."""
     parts, param = [], None
     if isinstance(error, ValidationError):
         details = error.errors(include_url=False, include_input=False, include_context=False)
@@ -51,9 +52,10 @@ def validation_message(error, skip: tuple[str, ...] = ()) -> tuple[str, str]:
     for detail in details[:MAX_REPORTED_ERRORS]:
         location = [str(p) for p in detail.get("loc", ()) if p not in skip]
         location = [p for p in location if not _UNION_MEMBER.match(p)]
-        name = ".".join(location) or "body"
+        name = ".".join([within, *location] if within else location) or "body"
         param = param or name
-        parts.append(f"{name}: {detail.get('msg')}"[:_MAX_MESSAGE_CHARS])
+        message = str(detail.get("msg")).removeprefix("Value error, ")
+        parts.append(f"{name}: {message}"[:_MAX_MESSAGE_CHARS])
     if len(details) > MAX_REPORTED_ERRORS:
         parts.append(f"and {len(details) - MAX_REPORTED_ERRORS} more")
     return "; ".join(parts), param

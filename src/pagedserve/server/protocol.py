@@ -37,6 +37,7 @@ from pagedserve.sampling_params import (
     StructuredOutputsParams,
 )
 from pagedserve.server import tool_calls
+from pagedserve.server.errors import validation_message
 from pagedserve.validation import FieldError
 
 MAX_MESSAGES = 4096
@@ -160,7 +161,7 @@ class _GenerationRequest(_Lenient):
         try:
             return field, StructuredOutputsParams(**fields)
         except ValidationError as error:
-            raise FieldError(field, f"{field}: {_first_error(error)}") from None
+            raise FieldError(field, validation_message(error, within=field)[0]) from None
 
     def _tool_constraint(self) -> dict[str, dict[str, Any]]:
         return {}  # chat requests hold a required or named tool call to its schema
@@ -263,13 +264,6 @@ class CompletionRequest(_GenerationRequest):
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}  # fmt: skip
-
-
-def _first_error(error: ValidationError) -> str:
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    return f"{where}: {message}" if where else message
 
 
 def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
@@ -432,9 +426,6 @@ class ChatCompletionRequest(_GenerationRequest):
             (_function(tool) for tool in self.tools or () if tool.function.name == name),
             None,
         )
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        return template_tools(self.tools)
 
     def _tool_constraint(self) -> dict[str, dict[str, Any]]:
         mode = self.tool_mode()

@@ -24,8 +24,6 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-
 
 @dataclass
 class ToolCall:
@@ -85,8 +83,9 @@ class ToolCallParser:
         """(content, calls); no calls and the whole text as content when none parse."""
         raise NotImplementedError
 
-    def held_from(self, text: str) -> int:
-        """Where the text may begin a call: content up to there can be streamed."""
+    def held_from(self, text: str, at_start: bool = True) -> int:
+        """Where text, the output not yet streamed (all of it when at_start), may begin a call:
+        content before there can be streamed."""
         start = text.find(self.marker)
         if start >= 0:
             return start
@@ -136,7 +135,9 @@ class Llama3JsonParser(ToolCallParser):
 
     marker = "{"
 
-    def held_from(self, text: str) -> int:
+    def held_from(self, text: str, at_start: bool = True) -> int:
+        if not at_start:
+            return len(text)  # a call is the whole output or none of it
         stripped = text.lstrip()
         if stripped.startswith(("{", "<|python_tag|>")) or "<|python_tag|>".startswith(stripped):
             return 0
