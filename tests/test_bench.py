@@ -533,6 +533,9 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert both.count("## Targets on ") == 2 and both.count("| 6.1 | W1 output tokens/s") == 2
     assert both.count("GGUF K-quants on ") == 1 and "| ours on a.Q4_K_M.gguf | " in both
     assert both.count("Structured outputs on ") == 2
+    assert both.count("Chat content read as text on ") == 2
+    chat = host.details.chat_tokenizing
+    assert chat.messages == 20 and 3900 < chat.tokens < 4400 and chat.text_cost > 0
     # A GPU's hand-written section comes last, its relative links made relative to the output.
     assert both.rstrip().endswith(
         "## GPU: A\n\nIts [log](bench/a-gpu/gpu_check.log); see [vLLM](https://docs.vllm.ai)."
@@ -554,6 +557,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         "### W1 with every request seated: offline and over HTTP",
         "### Where a decode step's time goes",
         "### What structured outputs cost per step",
+        "### What reading chat content as text costs",
         "### Long prompts arriving: chunked prefill",
     ):
         assert heading in report

@@ -128,6 +128,20 @@ def test_the_key_is_checked_on_the_headers_before_the_body(server):
     assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
 
 
+def test_a_wrong_key_of_any_length_or_bytes_gets_401(server):
+    """The key is compared in constant time (guard.py): every wrong length, from empty to past
+    the key's, a key differing in its last byte only, and non-ASCII and non-UTF-8 bytes get
+    401, never 500."""
+    expected = AUTH["Authorization"].encode()
+    wrong = [b"x" * length for length in range(len(expected) + 3)]
+    wrong += [expected[:-1] + b"!", expected + b"x", "Bearer clé".encode(), b"Bearer \xff\xfe"]
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        for key in wrong:
+            response = http.get("/v1/models", headers=[(b"Authorization", key)])
+            _assert_openai_error(response, 401)
+        assert http.get("/v1/models", headers=[(b"Authorization", expected)]).status_code == 200
+
+
 @pytest.fixture
 def faulty_server(tiny_checkpoint):
     """A server whose engine fails on a step holding faulty_engine.TRIGGER's request."""

@@ -6,6 +6,9 @@ import re
 from dataclasses import dataclass
 
 SCHEDULER_POLICIES = ("continuous", "static")
+# How a conversation's strings are tokenized (engine/chat_content.py): as text, or with the control
+# tokens they spell parsed as the template's own.
+CHAT_CONTENT_MODES = ("text", "parse")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES  # auto: the model's dtype
 PACKED_WEIGHT_DTYPES = (
@@ -36,6 +39,8 @@ class EngineConfig:
     model: str | None = None
     # A Jinja chat template (a file, or the template itself) used instead of the tokenizer's.
     chat_template: str | None = None
+    # "text": a control token spelled inside a message stays text; "parse": it becomes the token.
+    chat_content_tokens: str = "text"
     dtype: str = "auto"  # auto: bfloat16 on CUDA; float32 on a CPU (model_runner.resolve_dtype)
     device: str = "auto"  # auto: cuda when present, else cpu
     block_size: int = 16
@@ -78,6 +83,11 @@ class EngineConfig:
         if self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(
                 f"scheduler must be one of {SCHEDULER_POLICIES}, got {self.scheduler!r}"
+            )
+        if self.chat_content_tokens not in CHAT_CONTENT_MODES:
+            raise ValueError(
+                f"chat_content_tokens must be one of {CHAT_CONTENT_MODES}, "
+                f"got {self.chat_content_tokens!r}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")

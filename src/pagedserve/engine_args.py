@@ -6,6 +6,7 @@ import argparse
 from dataclasses import fields
 
 from pagedserve.config import (
+    CHAT_CONTENT_MODES,
     DTYPES,
     KV_CACHE_DTYPES,
     PACKED_WEIGHT_DTYPES,
@@ -26,6 +27,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--chat-template",
         default=None,
         help="a Jinja chat template file to use instead of the tokenizer's",
+    )
+    group.add_argument(
+        "--chat-content-tokens",
+        choices=CHAT_CONTENT_MODES,
+        default=defaults["chat_content_tokens"],
+        help="text: a control token spelled inside a chat message is tokenized as text, and "
+        "only the template's own markers are control tokens; parse: as spelled",
     )
     group.add_argument("--dtype", choices=DTYPES, default=defaults["dtype"])
     group.add_argument("--device", default=defaults["device"], help="auto, cpu, cuda, cuda:1")

@@ -171,6 +171,22 @@ class ConstrainedSteps(Record):
         )
 
 
+class ChatTokenizing(Record):
+    """One conversation through the chat template to ids (bench/chat_tokens.py), best of its
+    rounds: control tokens in content parsed, kept as text, and kept as text when every message
+    spells one."""
+
+    messages: int
+    tokens: int
+    parse_ms: float
+    text_ms: float
+    forged_text_ms: float
+
+    @property
+    def text_cost(self) -> float:
+        return self.text_ms / self.parse_ms
+
+
 class LongPromptRun(Record):
     """Streams decoding while long prompts arrive, with or without chunked prefill."""
 
@@ -409,6 +425,7 @@ class Details(Record):
     profiles: list[StepProfile]
     long_prompts: list[LongPromptRun]  # without, then with chunked prefill
     constrained: list[ConstrainedSteps] | None = None  # None in results from before it ran
+    chat_tokenizing: ChatTokenizing | None = None  # as constrained
 
     def ideal(self, batch: int) -> float:
         return self.setup.cost.ideal(self.ceilings, self.setup.dtype, batch)

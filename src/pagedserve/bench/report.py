@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.bench import plots
 from pagedserve.bench.ceilings import measure_ceilings, step_bytes, this_machine
+from pagedserve.bench.chat_tokens import measure_chat_tokenizing
 from pagedserve.bench.client import Target
 from pagedserve.bench.datasets import (
     BenchRequest,
@@ -40,6 +41,7 @@ from pagedserve.bench.offline import EngineSetup, OfflineRun, run_engine, with_f
 from pagedserve.bench.prefix_caching import run_prefix_caching_benchmark
 from pagedserve.bench.records import (
     Ceilings,
+    ChatTokenizing,
     ConstrainedSteps,
     Details,
     HostResults,
@@ -78,7 +80,7 @@ from pagedserve.bench.sweep import (
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.bench.timeline import HELD, Segment, run_seed_scenario
 from pagedserve.engine.model_runner import resolve_device
-from pagedserve.model.source import gguf_file
+from pagedserve.model.source import gguf_file, resolve_model_dir
 from pagedserve.server.process import LocalServer
 
 logger = logging.getLogger(__name__)
@@ -239,6 +241,7 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
     agreement = stages.run("narrow weights agreement", partial(_narrow_weights_agreement, config))
     profiles = stages.run("step profiles", partial(_profile_runs, config))
     constrained = stages.run("structured outputs", partial(_constrained_runs, config))
+    chat_tokenizing = stages.run("chat tokenizing", partial(_chat_tokenizing, config))
     long_prompts = stages.run("long prompts", partial(_long_prompt_runs, config))
     prefix = stages.run("prefix caching", partial(run_prefix_caching_benchmark, **engine_args))
     # Measured again last, so that a busy spell at the start cannot set them alone.
@@ -270,6 +273,7 @@ def _measure(config: ReportConfig, plots_dir: Path, stages: _Stages) -> Details:
         profiles=profiles,
         long_prompts=long_prompts,
         constrained=constrained,
+        chat_tokenizing=chat_tokenizing,
     )
 
 
@@ -463,6 +467,10 @@ def _profile_runs(config: ReportConfig) -> list[StepProfile]:
         return [profile_decode_steps(llm, batch) for batch in config.profile_batches]
 
     return with_fresh_llm(config.engine_args, work, max_num_seqs=max(config.profile_batches))
+
+
+def _chat_tokenizing(config: ReportConfig) -> ChatTokenizing:
+    return measure_chat_tokenizing(load_tokenizer(resolve_model_dir(config.model)))
 
 
 def _constrained_runs(config: ReportConfig) -> list[ConstrainedSteps]:

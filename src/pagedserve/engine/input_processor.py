@@ -14,9 +14,8 @@ import random
 import time
 from typing import Any
 
-from jinja2 import TemplateError
-
 from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.chat_content import ChatTokenizer
 from pagedserve.engine.sequence import Sequence
 from pagedserve.engine.structured_output import GrammarCompiler
 from pagedserve.outputs import RequestMetrics
@@ -37,8 +36,10 @@ class InputProcessor:
         kv_cache: BlockManager,
         seed: int | None,
         grammars: GrammarCompiler,
+        chat_content_tokens: str = "text",
     ):
         self.tokenizer = tokenizer
+        self.chat = ChatTokenizer(tokenizer, chat_content_tokens)
         self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -109,17 +110,7 @@ class InputProcessor:
                 check_unicode(f"messages[{index}].content", content)
                 chars += len(content)
         self._check_prompt_chars("messages", chars)
-        try:
-            token_ids = self.tokenizer.apply_chat_template(
-                conversation,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-            )
-        except TemplateError as error:
-            raise ValueError(f"the model's chat template refused the messages: {error}") from None
-        return list(token_ids)
+        return self.chat.token_ids(conversation, add_generation_prompt, tools)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids; FieldError naming prompt for an empty, invalid or

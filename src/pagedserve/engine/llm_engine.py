@@ -87,6 +87,7 @@ class LLMEngine:
             self.block_manager,
             config.seed,
             GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids),
+            config.chat_content_tokens,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.stats = EngineStats()
