@@ -54,10 +54,14 @@ def test_cpuinfo_is_read_for_the_first_processor():
 
 
 def test_each_kind_of_cpu_keeps_its_own_benchmark_results():
-    """The name docs/bench/<kind>/ keeps a kind's results under: model and instruction sets."""
-    assert ZEN3.kind == "amd-epyc-7b13-avx2"
-    assert ZEN4.kind == "amd-epyc-9b14-avx512-vnni-bf16"
-    assert SAPPHIRE_RAPIDS.kind == "intel-xeon-avx512-amx"
+    """The name docs/bench/<kind>/ keeps a kind's results under: model, family and model
+    numbers, and instruction sets."""
+    assert ZEN3.kind == "amd-epyc-7b13-f25m1-avx2"
+    assert ZEN4.kind == "amd-epyc-9b14-f25m17-avx512-vnni-bf16"
+    assert SAPPHIRE_RAPIDS.kind == "intel-xeon-f6m143-avx512-amx"
+    zen1 = CpuFeatures("AMD EPYC", 23, 1, frozenset(["avx", "avx2", "fma", "f16c"]))
+    unnamed_zen3 = CpuFeatures.parse(ZEN3_CPUINFO.replace("AMD EPYC 7B13", "AMD EPYC"))
+    assert zen1.kind == "amd-epyc-f23m1-avx2" and unnamed_zen3.kind == "amd-epyc-f25m1-avx2"
     assert CpuFeatures("unknown CPU", None, None, frozenset()).kind == "unknown-cpu-generic"
 
 

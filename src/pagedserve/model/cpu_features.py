@@ -64,9 +64,13 @@ class CpuFeatures:
 
     @property
     def kind(self) -> str:
-        """A name for CPUs of this model with these instruction sets, e.g.
-        "amd-epyc-avx512-vnni-bf16": the benchmarks keep one set of results per kind."""
+        """A name for CPUs of this model, family and model number with these instruction sets,
+        e.g. "amd-epyc-f25m17-avx512-vnni-bf16": the benchmarks keep one set of results per kind.
+        The numbers tell apart cores a virtual machine names alike ("AMD EPYC" is Zen 1 at
+        family 23 model 1, Zen 3 at family 25 model 1)."""
         name = "-".join(re.findall(r"[a-z0-9]+", self.model_name.lower())) or "cpu"
+        if self.family is not None and self.model is not None:
+            name += f"-f{self.family}m{self.model}"
         sets = self.instruction_sets
         if "AVX-512" not in sets:
             return f"{name}-{'avx2' if 'AVX2' in sets else 'generic'}"
