@@ -4,8 +4,9 @@ transformers' apply_chat_template tokenizes it.
 
 The templates below are written for these tests in the shape of each family's own: SmolLM2's
 ChatML (the default model's), Llama 3's headers with trimmed content, Qwen3's ChatML with <think>
-and tool tags as added (not special) tokens and reasoning cut out of assistant content, and
-Mistral's [INST] markers. Each runs on the default model's tokenizer given that family's tokens.
+and tool tags as added (not special) tokens and reasoning cut out of assistant content,
+Mistral's [INST] markers, Gemma's turns (the system message joined to the first user turn) and
+Phi-3's role tokens. Each runs on the default model's tokenizer given that family's tokens.
 """
 
 from __future__ import annotations
@@ -67,6 +68,19 @@ _MISTRAL = (
     "{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
     "{%- endif %}{% endfor %}"
 )
+_GEMMA = (
+    "<bos>{%- if messages[0].role == 'system' %}"
+    "{%- set first = messages[0].content | trim + '\n\n' %}{% set turns = messages[1:] %}"
+    "{%- else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+    "{%- for message in turns %}<start_of_turn>"
+    "{{- 'model' if message.role == 'assistant' else 'user' }}\n"
+    "{{- (first if loop.first else '') + message.content | trim }}<end_of_turn>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+_PHI3 = (
+    "{%- for message in messages %}<|{{ message.role }}|>\n{{ message.content }}<|end|>\n"
+    "{%- endfor %}{% if add_generation_prompt %}<|assistant|>\n{% else %}<|endoftext|>{% endif %}"
+)
 # family: (template or None for the tokenizer's own, special tokens, added non-special tokens,
 # whether it renders tool calls and tools)
 FAMILIES = {
@@ -93,6 +107,8 @@ FAMILIES = {
         [],
         True,
     ),
+    "gemma": (_GEMMA, ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], [], False),
+    "phi3": (_PHI3, ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], [], False),
 }  # fmt: skip
 
 
