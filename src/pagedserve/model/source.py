@@ -130,13 +130,17 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     target = cache_root() / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
     if (target / _COMPLETE_MARKER).is_file():
         if gguf_tensor_types(target) is None:  # converted before the types (or blocks) were kept
-            _record_tensor_types(gguf_path, target)
+            _record_tensor_types(_read_gguf(gguf_path), target)
         return target
+    # One reading of the file's metadata serves the check and the record: gguf parses every
+    # vocabulary string of it one by one, seconds for a vocabulary of 50,000.
+    reader = _read_gguf(gguf_path)
+    _check_tensor_types(gguf_path, reader)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
         _convert_gguf(gguf_path, staging)
-        _record_tensor_types(gguf_path, staging)
+        _record_tensor_types(reader, staging)
         (staging / _COMPLETE_MARKER).write_text(str(gguf_path))
         if target.exists():
             shutil.rmtree(target)
@@ -151,7 +155,6 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _check_tensor_types(gguf_path)
     folder, name = str(gguf_path.parent), gguf_path.name
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -168,17 +171,20 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(weights, str(out_dir / "model.safetensors"))
 
 
-def _check_tensor_types(gguf_path: Path) -> None:
-    """Every tensor in a type that gguf can read back as numbers, else an error naming the first
-    tensor that is not and its type (rather than transformers' error from deep in its loader)."""
+def _read_gguf(gguf_path: Path):
     from gguf import GGUFReader
 
-    readable = _readable_gguf_types()
     try:
-        tensors = GGUFReader(gguf_path).tensors
+        return GGUFReader(gguf_path)
     except ValueError as error:  # e.g. a type number this gguf does not know
         raise ValueError(f"cannot read {gguf_path}: {error}") from error
-    for tensor in tensors:
+
+
+def _check_tensor_types(gguf_path: Path, reader) -> None:
+    """Every tensor in a type that gguf can read back as numbers, else an error naming the first
+    tensor that is not and its type (rather than transformers' error from deep in its loader)."""
+    readable = _readable_gguf_types()
+    for tensor in reader.tensors:
         if tensor.tensor_type not in readable:
             raise ValueError(
                 f"{gguf_path}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, "
@@ -234,10 +240,7 @@ def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
     )
 
 
-def _record_tensor_types(gguf_path: Path, out_dir: Path) -> None:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_path)
+def _record_tensor_types(reader, out_dir: Path) -> None:
     types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
     blocks = {
         tensor.name: [types[tensor.name], int(tensor.data_offset), *map(int, tensor.data.shape)]
