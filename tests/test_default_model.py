@@ -92,27 +92,18 @@ def test_auto_packs_a_gguf_as_its_own_types_with_greedy_equal_to_transformers(
         tmp_path / f"SmolLM2-135M-Instruct.{map_type}.gguf",
         lambda name, stored: stored_as.get(stored, stored),
     )
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # its conversion, gone after
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # its metadata, gone after
     llm = LLM(str(path), dtype="float32")
     assert gguf_tensor_types(resolve_model_dir(str(path))) == GGUFTensorTypes(
         frozenset({map_type}), embedding_type, "llama"
     )
     assert llm.engine.runner.packed_weight_dtypes == packed_as
-    # transformers' reading of the file, as its conversion keeps it (test_greedy_matches_
-    # transformers_on_the_gguf has transformers read a GGUF file itself).
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(str(path)), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for output in llm.generate(list(PROMPTS), params):
         assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)
-
-
-def test_a_conversion_cached_without_the_tensor_types_gains_them(default_model_dir):
-    (default_model_dir / "gguf-tensor-types.json").unlink()
-    assert gguf_tensor_types(default_model_dir) is None
-    assert resolve_model_dir(None) == default_model_dir
-    assert gguf_tensor_types(default_model_dir) == GGUFTensorTypes(
-        frozenset({"Q4_1"}), "Q8_0", "llama"
-    )
 
 
 def test_float32_packed_greedy_matches_transformers_on_the_gguf(gguf_reference):

@@ -17,7 +17,6 @@ from pagedserve.model import gguf_blocks
 from pagedserve.model.gguf_blocks import BLOCK_TYPES, FORMAT_HOLDS, GGUFPart
 from pagedserve.model.kernels import cpu_kernels_available
 from pagedserve.model.linear_method import PACKED_FORMATS, choose_format
-from pagedserve.model.source import resolve_model_dir
 
 
 def _part(type_name: str, rows: int, inputs: int, seed: int) -> GGUFPart:
@@ -123,14 +122,15 @@ def _mixed_type(name: str, stored: str) -> str:
 
 def test_a_gguf_mixing_every_type_generates_as_transformers_reads_it(monkeypatch, tmp_path):
     path = requantized_default_gguf(tmp_path / "SmolLM2-135M-Instruct.mixed.gguf", _mixed_type)
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # its conversion, gone after
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # its metadata, gone after
     llm = LLM(str(path), dtype="float32")
     runner = llm.engine.runner
     assert runner.packed_weight_dtypes == ("q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0", "q8_0")
     qkv = runner.model.layers[1].self_attn.qkv_proj  # Q5_0, Q5_0 and Q8_0: held by q8_0
     assert qkv.method.name == "q8_0" and qkv.weight is None
-    # transformers' reading of the file, as its conversion keeps it.
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(str(path)), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     prompts = ["The history of the Roman Empire", "def fibonacci(n):", "Photosynthesis is"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for output in llm.generate(prompts, params):

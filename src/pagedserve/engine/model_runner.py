@@ -17,7 +17,7 @@ from pagedserve.engine.sequence import Sequence
 from pagedserve.model.attention import AttentionBatch
 from pagedserve.model.checkpoint import (
     gguf_linear_parts,
-    load_model,
+    load_weights,
     stored_weight_types,
     weights_bytes,
 )
@@ -28,7 +28,7 @@ from pagedserve.model.decoder import DecoderModel
 from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.kernels import can_use_cpu_kernels, cpu_kernels_available
 from pagedserve.model.layers import Linear
-from pagedserve.model.linear_method import PackedFormats, choose_format
+from pagedserve.model.linear_method import PACKED_FORMATS, PackedFormats, choose_format
 from pagedserve.model.sampler import (
     LogprobsRequest,
     LogprobsTensors,
@@ -84,9 +84,15 @@ def _check_memory(weights: int, kv_cache: int, config: EngineConfig) -> None:
     cannot both fit in the memory this machine has available: allocated anyway, pages would be
     handed out lazily and the process killed mid-request when they run out."""
     available = available_memory()
+    gib = 2**30
+    logger.info(
+        "memory: weights %.2f GiB, KV cache %.2f GiB, available %s",
+        weights / gib,
+        kv_cache / gib,
+        "unknown" if available is None else f"{available / gib:.2f} GiB",
+    )
     if available is None or weights + kv_cache <= available:
         return
-    gib = 2**30
     kv_setting = (
         f"num_kv_blocks {config.num_kv_blocks}"
         if config.num_kv_blocks
@@ -149,8 +155,8 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         gguf_path: Path | None = None,
     ):
-        """gguf_path: the GGUF file model_dir was converted from, whose own blocks the linear
-        maps are packed from where a format holds them."""
+        """gguf_path: the GGUF file whose metadata model_dir holds: its tensors are read in
+        place, and the linear maps packed from its own blocks where a format holds them."""
         self.device = resolve_device(config.device)
         kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels_available()
         self.dtype = resolve_dtype(config.dtype, self.device, kernels, CpuFeatures.host())
@@ -168,24 +174,30 @@ class ModelRunner:
                 f"{bytes_per_block} bytes"
             )
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
+        packed = config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype)
         if self.device.type == "cpu":
-            _check_memory(weights_bytes(model_dir, self.dtype), self.kv_cache_bytes, config)
-        self.model = load_model(model_dir, model_config, self.dtype, self.device)
+            _check_memory(weights_bytes(model_dir, self.dtype, packed), self.kv_cache_bytes, config)
+        with torch.device(self.device):
+            self.model = DecoderModel(model_config, self.dtype)
         # None: the linear weights are used as loaded, by F.linear.
         self.packed_weight_dtypes: PackedFormats | None = None
-        if config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype):
+        if packed:
             parts = {}
             if gguf_path is not None:
                 parts = gguf_linear_parts(gguf_path, model_dir, model_config)
             formats = _linear_formats(
                 self.model, config.packed_weight_dtype, stored_weight_types(model_dir), parts
             )
-            self.model.use_cpu_kernels(formats, parts)
+            methods = {name: PACKED_FORMATS[format_name] for name, format_name in formats.items()}
+            load_weights(self.model, model_dir, gguf_path, methods, parts)
+            self.model.use_cpu_kernels()
             self.packed_weight_dtypes = PackedFormats(
                 "+".join(sorted({f for name, f in formats.items() if name != "lm_head"})),
                 formats["lm_head"],
             )
-        elif config.packed_weight_dtype not in ("auto", "float32"):
+        else:
+            load_weights(self.model, model_dir, gguf_path)
+        if config.packed_weight_dtype not in ("auto", "float32") and not packed:
             logger.warning(
                 "packed_weight_dtype %s ignored: weights are packed for float32 on CPU only, "
                 "with the C++ kernels",

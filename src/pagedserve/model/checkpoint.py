@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -14,6 +18,8 @@ from pagedserve.model import gguf_blocks
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import DecoderModel
 from pagedserve.model.gguf_blocks import GGUFPart
+from pagedserve.model.layers import Linear
+from pagedserve.model.linear_method import LinearMethod
 from pagedserve.model.source import gguf_tensor_types
 
 # Checkpoint projections that DecoderModel keeps fused in one matrix, in concatenation order, by
@@ -32,34 +38,151 @@ _MIXTRAL_NAMES = (
 )
 
 
-def load_model(
-    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> DecoderModel:
-    with torch.device(device):
-        model = DecoderModel(config, dtype)
-    state = _remap(dict(_read_tensors(model_dir)), config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+def load_weights(
+    model: DecoderModel,
+    model_dir: Path,
+    gguf_path: Path | None = None,
+    methods: Mapping[str, LinearMethod] | None = None,
+    parts: dict[str, Sequence[GGUFPart]] | None = None,
+) -> None:
+    """Reads the checkpoint's tensors into model one at a time: a safetensors checkpoint's (of
+    every shard) or the GGUF file's (model_dir then holds its metadata), in place. Each linear
+    map is handed to its method (methods, by module name; else kept as loaded) as soon as its
+    weights are in, so that one map's float weights at most are held beside the packed ones;
+    a map whose method packs the GGUF file's own blocks (parts) reads no float weight at all,
+    and its entry of parts is dropped once packed, unmapping the file's pages it read.
+
+    The parameters of a fused map (qkv_proj, gate_up_proj) are filled when all their parts have
+    been read; Gemma's norms get their offset folded in; tied embeddings are the output
+    projection's weight."""
+    config = model.config
+    methods, parts = methods or {}, parts if parts is not None else {}
+    params = dict(model.named_parameters())  # the tied output projection's weight is not apart
+    expected = set(params)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    from_blocks = {name for name, method in methods.items() if method.takes(parts.get(name, ()))}
+    needs: dict[str, set[str]] = {}  # a linear map's parameters still to read
+    for name, module in linears.items():
+        weight = "embed_tokens" if module.weight is model.embed_tokens else f"{name}.weight"
+        needs[name] = set() if name in from_blocks else {weight}
+        if module.bias is not None:
+            needs[name].add(f"{name}.bias")
+    skipped = {f"{name}.weight" for name in from_blocks} & expected
+    fused_parts: dict[str, dict[int, torch.Tensor]] = {}
+    unexpected = []
+
+    def finish(name: str) -> None:
+        if name in methods:
+            linears[name].use_method(methods[name], parts.pop(name, ()))
+        for key in (f"{name}.weight", f"{name}.bias"):
+            params.pop(key, None)  # a packed map's float weight is freed with it
+
+    for name in [name for name, keys in needs.items() if not keys]:
+        finish(name)
+    for name, read in _checkpoint_tensors(model_dir, gguf_path, config):
+        target = _target(name, config)
+        if target is None or target[0] in skipped:
+            continue
+        key, index = target
+        if key not in expected:
+            unexpected.append(name)
+            continue
+        tensor = read()
+        if index is not None:
+            fused = fused_parts.setdefault(key, {})
+            fused[index] = tensor
+            if len(fused) < len(_FUSED[key.rsplit(".", 2)[-2]]):
+                continue
+            tensor = torch.cat(_in_order(key, fused_parts.pop(key)), dim=0)
+        if config.norm_weight_offset and key.endswith("norm.weight"):
+            tensor = tensor.float() + config.norm_weight_offset  # Gemma's (offset + weight)
+        _copy_into(params[key], tensor, key, name)
+        expected.discard(key)
+        for module, keys in needs.items():
+            if key in keys:
+                keys.discard(key)
+                if not keys:
+                    finish(module)
+    for key, fused in fused_parts.items():
+        _in_order(key, fused)  # raises: a fused map with parts missing
+    missing = expected - skipped
     if missing or unexpected:
         raise ValueError(
-            f"checkpoint in {model_dir} does not match {config.architecture}: "
+            f"checkpoint in {gguf_path or model_dir} does not match {config.architecture}: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    return model.eval()
+    _return_freed_memory()
 
 
-def weights_bytes(model_dir: Path, dtype: torch.dtype) -> int:
-    """What the checkpoint's tensors take as dtype, from the files' headers only."""
-    total = 0
+def _return_freed_memory() -> None:
+    """Hands the pages of the tensors freed while loading back to the system. glibc's malloc
+    serves buffers under its (rising) mmap threshold from its heap, and keeps their pages once
+    they are freed: here the float copy of each map read, which would otherwise stay resident
+    for the life of the process (a fifth of a bfloat16 file's size)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator keeps its own counsel
+        pass
+
+
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor, key: str, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {name} has shape {tuple(tensor.shape)}; "
+            f"{key} takes {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+def _checkpoint_tensors(
+    model_dir: Path, gguf_path: Path | None, config: ModelConfig
+) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(transformers' name, a function reading the tensor) for each tensor of the checkpoint."""
+    if gguf_path is not None:
+        types = gguf_tensor_types(model_dir)
+        names = gguf_blocks.GGUFNames(types, config.transformers_config)
+        yield from gguf_blocks.float_tensors(gguf_path, types, names)
+        return
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
-                total += math.prod(handle.get_slice(name).get_shape())
-    return total * dtype.itemsize
+                yield name, functools.partial(handle.get_tensor, name)
+
+
+def weights_bytes(model_dir: Path, dtype: torch.dtype, packed: bool) -> int:
+    """What the checkpoint's weights take once loaded, from the files' headers only: each
+    tensor as dtype, but with packed (the C++ kernels' path) the linear maps as the checkpoint
+    stores them (a GGUF file's blocks, a safetensors file's dtype), the embeddings' lookup
+    table kept as dtype beside them."""
+    gguf_types = gguf_tensor_types(model_dir)
+    total = 0
+    if gguf_types is not None:
+        for name, tensor in gguf_types.tensors.items():
+            as_dtype = math.prod(tensor.shape) * dtype.itemsize
+            if packed and len(tensor.shape) == 2 and name != "token_embd.weight":
+                total += tensor.nbytes
+            else:
+                total += as_dtype
+        return total
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                stored = handle.get_slice(name)
+                size = math.prod(stored.get_shape())
+                matrix = len(stored.get_shape()) == 2 and "embed_tokens" not in name
+                itemsize = _DTYPE_BYTES.get(stored.get_dtype(), 4)
+                total += size * (itemsize if packed and matrix else dtype.itemsize)
+    return total
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1}
 
 
 def stored_weight_types(model_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
     """The types the checkpoint stores its linear maps' and its logits' weights in, e.g.
-    ({"Q4_1"}, {"Q8_0"}) for a model converted from such a GGUF file: what
+    ({"Q4_1"}, {"Q8_0"}) for such a GGUF file (model_dir: its metadata): what
     linear_method.choose_format keeps exactly. For safetensors, both are the dtypes of all its
     matrices (e.g. {"BF16"}), read from the files' headers only."""
     gguf_types = gguf_tensor_types(model_dir)
@@ -81,40 +204,17 @@ def _stored_matrix_dtypes(model_dir: Path) -> set[str]:
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards its index names where it has one (a
+    repository may hold other weight files beside them, e.g. Mistral's consolidated.safetensors
+    in its own names), else every one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return [model_dir / name for name in sorted(shards)]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"model directory {model_dir} has no *.safetensors weights")
     return files
-
-
-def _read_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in _weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
-                yield name, handle.get_tensor(name)
-
-
-def _remap(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    fused_parts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        target = _target(name, config)
-        if target is None:
-            continue
-        key, part = target
-        if part is None:
-            state[key] = tensor
-        else:
-            fused_parts.setdefault(key, {})[part] = tensor
-    for key, parts in fused_parts.items():
-        state[key] = torch.cat(_in_order(key, parts), dim=0)
-    if config.norm_weight_offset:  # Gemma's norms multiply by (offset + weight)
-        for key in state:
-            if key.endswith("norm.weight"):
-                state[key] = state[key].float() + config.norm_weight_offset
-    if config.tie_word_embeddings and "embed_tokens" in state:
-        state["lm_head.weight"] = state["embed_tokens"]  # the same parameter in DecoderModel
-    return state
 
 
 def _target(name: str, config: ModelConfig) -> tuple[str, int | None] | None:
@@ -152,16 +252,15 @@ def gguf_linear_parts(
 ) -> dict[str, list[GGUFPart]]:
     """The GGUF file's own blocks of each linear map of DecoderModel stored in a block type, by
     module name (e.g. "layers.0.self_attn.qkv_proj", "lm_head"), a fused map's parts in order;
-    model_dir: the file's conversion, which records where its blocks lie. A fused map with a
+    model_dir: the file's metadata, which records where its blocks lie. A fused map with a
     part stored otherwise (e.g. as F16) has none."""
     parts: dict[str, dict[int, GGUFPart]] = {}
     whole: dict[str, list[GGUFPart]] = {}
     types = gguf_tensor_types(model_dir)
     if types is None:
         return whole
-    for name, part in gguf_blocks.linear_parts(
-        gguf_path, types, config.transformers_config
-    ).items():
+    names = gguf_blocks.GGUFNames(types, config.transformers_config)
+    for name, part in gguf_blocks.linear_parts(gguf_path, types, names).items():
         if name == "model.embed_tokens.weight":  # the output projection too, when tied
             if config.tie_word_embeddings:
                 whole.setdefault("lm_head", [part])

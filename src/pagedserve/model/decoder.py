@@ -3,8 +3,6 @@ mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE) families."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,9 +10,7 @@ from torch import nn
 from pagedserve.model.attention import AttentionBatch, AttentionGroup, PagedAttention
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.custom_op import CustomOp
-from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.layers import GatedMLP, Linear, RMSNorm, SparseMoE
-from pagedserve.model.linear_method import PACKED_FORMATS
 from pagedserve.model.rotary import RotaryAngles, RotaryEmbedding
 
 
@@ -169,18 +165,13 @@ class DecoderModel(nn.Module):
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def use_cpu_kernels(
-        self, formats: Mapping[str, str], parts: Mapping[str, Sequence[GGUFPart]]
-    ) -> None:
-        """Packs each linear map's weight for the C++ product in formats[its module name] (from
-        the GGUF file's own blocks where parts has them), switches every CustomOp layer that can
-        to its C++ kernel, and, where every attention layer did, runs decode-only steps' layers
-        in one call. Tied embeddings keep their plain copy for the lookup beside the packed
-        one."""
-        for name, module in self.named_modules():
-            if isinstance(module, Linear):
-                module.use_method(PACKED_FORMATS[formats[name]], parts.get(name, ()))
-            elif isinstance(module, CustomOp):
+    def use_cpu_kernels(self) -> None:
+        """Switches every CustomOp layer that can to its C++ kernel and, where every attention
+        layer did, runs decode-only steps' layers in one call. Called once the linear maps are
+        packed for the C++ product (checkpoint.load_weights, with the packed formats'
+        methods)."""
+        for module in self.modules():
+            if isinstance(module, CustomOp):
                 module.use_cpu_kernel()
         if self.config.llama_layers and all(
             layer.self_attn.uses_cpu_kernel for layer in self.layers

@@ -17,14 +17,15 @@ weights are those that transformers dequantizes, row for row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pagedserve.model.source import GGUFTensorTypes
+from pagedserve.model.source import GGUFTensor, GGUFTensorTypes
 
 # The GGUF types each block format holds exactly (a value range and header that contain
 # the type's).
@@ -248,32 +249,73 @@ def _super_block_inputs(format_name: str, decoded: list[_SuperBlocks]) -> list[t
     return [torch.from_numpy(np.ascontiguousarray(array)) for array in arrays]
 
 
-def linear_parts(gguf_path: Path, types: GGUFTensorTypes, hf_config) -> dict[str, GGUFPart]:
-    """The file's 2-D tensors stored in a block type, by the name transformers gives the
-    parameter (e.g. "model.layers.0.self_attn.q_proj.weight"), with their rows permuted as
-    transformers' GGUF loader permutes them; read from a memory map of the file at the places
-    types.blocks records (nothing is copied)."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+class GGUFNames:
+    """GGUF tensor names -> transformers' parameter names, and the transformations transformers'
+    GGUF loader makes on the way (llama's queries' and keys' rows permuted, Gemma's norms less
+    one), by its own map and processor, so that a tensor read here is the one it reads."""
 
-    arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == types.architecture)
-    name_map = get_tensor_name_map(arch, hf_config.num_hidden_layers)
-    processor = TENSOR_PROCESSORS.get(types.architecture, TensorProcessor)(hf_config.to_dict())
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    # GGUF name -> transformers' name, as transformers' get_gguf_hf_weights_map pairs them
-    names = {}
-    for hf_name in model.state_dict():
-        base, dot, suffix = processor.preprocess_name(hf_name).rpartition(".")
-        gguf_name = name_map.get_name(base)
-        if gguf_name is not None:
-            names.setdefault(f"{gguf_name}{dot}{suffix}", hf_name)
+    def __init__(self, types: GGUFTensorTypes, hf_config):
+        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == types.architecture)
+        name_map = get_tensor_name_map(arch, hf_config.num_hidden_layers)
+        self.processor = TENSOR_PROCESSORS.get(types.architecture, TensorProcessor)(
+            hf_config.to_dict()
+        )
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        # As transformers' get_gguf_hf_weights_map pairs them.
+        self.names: dict[str, str] = {}
+        for hf_name in model.state_dict():
+            base, dot, suffix = self.processor.preprocess_name(hf_name).rpartition(".")
+            gguf_name = name_map.get_name(base)
+            if gguf_name is not None:
+                self.names.setdefault(f"{gguf_name}{dot}{suffix}", hf_name)
+
+    def process(self, name: str, data: np.ndarray) -> np.ndarray:
+        return self.processor.process(weights=data, name=name, parsed_parameters={}).weights
+
+
+def _mapped(gguf_path: Path, tensor: GGUFTensor) -> np.ndarray:
+    """The tensor's bytes, uint8 [rows, bytes per row], from a memory map of the file."""
+    row_bytes = tensor.nbytes // tensor.rows
+    return np.memmap(
+        gguf_path, np.uint8, mode="r", offset=tensor.offset, shape=(tensor.rows, row_bytes)
+    )
+
+
+def linear_parts(gguf_path: Path, types: GGUFTensorTypes, names: GGUFNames) -> dict[str, GGUFPart]:
+    """The file's matrices stored in a block type, by the name transformers gives the
+    parameter (e.g. "model.layers.0.self_attn.q_proj.weight"), with their rows permuted as
+    transformers' GGUF loader permutes them; read from a memory map of the file (nothing is
+    copied)."""
     parts = {}
-    for name, (type_name, offset, rows, row_bytes) in types.blocks.items():
-        if type_name not in BLOCK_TYPES or name not in names:
-            continue
-        data = np.memmap(gguf_path, np.uint8, mode="r", offset=offset, shape=(rows, row_bytes))
-        processed = processor.process(weights=data, name=name, parsed_parameters={})
-        parts[names[name]] = GGUFPart(type_name, processed.weights)
+    for name, tensor in types.tensors.items():
+        if tensor.type in BLOCK_TYPES and len(tensor.shape) == 2 and name in names.names:
+            data = names.process(name, _mapped(gguf_path, tensor))
+            parts[names.names[name]] = GGUFPart(tensor.type, data)
     return parts
+
+
+def float_tensors(
+    gguf_path: Path, types: GGUFTensorTypes, names: GGUFNames
+) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """Each of the file's tensors transformers loads, by transformers' name, with a function
+    that reads it as float32 values in transformers' layout (as its GGUF loader dequantizes
+    it), from a memory map of the file: a reader reads the tensors it wants, one at a time."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    def read(name: str, tensor: GGUFTensor) -> torch.Tensor:
+        data = _mapped(gguf_path, tensor)
+        values = gguf_dequantize(data, GGMLQuantizationType[tensor.type]).reshape(tensor.shape)
+        values = np.asarray(names.process(name, values), np.float32)
+        if not values.flags.writeable:  # an F32 tensor's view of the map: copied off it
+            values = values.copy()
+        return torch.from_numpy(values)
+
+    for name, tensor in types.tensors.items():
+        if name in names.names:
+            yield names.names[name], functools.partial(read, name, tensor)

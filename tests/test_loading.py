@@ -1,0 +1,99 @@
+"""Checkpoints load tensor by tensor, within their own size: a GGUF file read in place with only
+its metadata written to the cache, and a sharded safetensors checkpoint as its unsharded self."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+from gguf_quantize import requantized_default_gguf
+from transformers import AutoModelForCausalLM
+
+from pagedserve import LLM, SamplingParams
+
+# A child process's peak resident memory (KiB, Linux's ru_maxrss): after loading the model given
+# and generating from it, or with "-" after importing the engine only.
+_PEAK_AFTER_LOADING = """
+import resource, sys
+from pagedserve import LLM, SamplingParams
+if sys.argv[1] != "-":
+    llm = LLM(sys.argv[1], dtype="float32", num_kv_blocks=8)
+    llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+MIB = 2**20
+# What a loaded engine holds beyond the weights and an imported engine: the default model's
+# tokenizer, the C++ kernels, transformers' model classes (which name a GGUF file's tensors) and
+# the allocator's slack.
+RUNTIME_ALLOWANCE = 400 * MIB
+# The bound on the rest, as a multiple of the file's size. With float32 activations a bfloat16
+# file's linear maps are held as bfloat16 (1x their bytes) but its embeddings as float32 for the
+# lookup (2x) beside float16 panels for the tied logits (1x): 1.4x the whole file here, where
+# the embeddings are a fifth of it. Loading adds the largest tensor's float32 copy beside its
+# parameter (0.8x). Converting the file to float32 first, as transformers does, takes 4x.
+PEAK_FACTOR = 2.5
+METADATA_FILES = {
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "gguf-tensors.json",
+    "pagedserve-gguf-metadata",
+}
+
+
+def _peak_rss(model: str, cache) -> int:
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK_AFTER_LOADING, model],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(result.stdout.split()[-1]) * 1024
+
+
+def test_a_gguf_file_is_read_in_place_within_its_size(tmp_path):
+    path = requantized_default_gguf(
+        tmp_path / "SmolLM2-135M-Instruct.BF16.gguf",
+        lambda name, stored: stored if stored == "F32" else "BF16",
+    )
+    size = path.stat().st_size
+    cache = tmp_path / "cache"
+    imported = _peak_rss("-", cache)
+    loaded = _peak_rss(str(path), cache)
+    assert loaded <= imported + RUNTIME_ALLOWANCE + PEAK_FACTOR * size, (
+        f"peak {loaded / MIB:.0f} MiB: imported {imported / MIB:.0f} MiB, file {size / MIB:.0f} MiB"
+    )
+    written = [file for file in cache.rglob("*") if file.is_file()]
+    assert {file.name for file in written} <= METADATA_FILES
+    assert sum(file.stat().st_size for file in written) < 0.02 * size  # the tokenizer, mostly
+
+
+def test_a_sharded_bfloat16_checkpoint_loads_as_its_unsharded_self(tiny_checkpoint, tmp_path):
+    source = tiny_checkpoint("llama")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    model.save_pretrained(whole)
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    for target in (whole, sharded):
+        for tokenizer_file in source.glob("tokenizer*"):
+            shutil.copy(tokenizer_file, target)
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+    # A repository's weights in other names beside its shards (Mistral's consolidated.safetensors)
+    # are not read: the index names the shards.
+    shutil.copy(next(sharded.glob("model-*.safetensors")), sharded / "consolidated.safetensors")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    prompts = ["The history of the Roman Empire", "def fibonacci(n):"]
+    whole_out, sharded_out = (
+        LLM(str(checkpoint), num_kv_blocks=16).generate(prompts, params)
+        for checkpoint in (whole, sharded)
+    )
+    for a, b in zip(whole_out, sharded_out, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
