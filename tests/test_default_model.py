@@ -72,6 +72,9 @@ def test_q4_1_holds_the_gguf_weights_exactly(gguf_reference):
 
 def test_auto_packs_a_q4_1_gguf_as_q4_1_and_other_checkpoints_as_float32(llm, tiny_checkpoint):
     assert llm.engine.runner.packed_weight_dtypes == ("q4_1", "q8_0")  # token_embd is Q8_0
+    # The lookup reads the same Q8_0 blocks: no float table beside them.
+    model = llm.engine.runner.model
+    assert model.embed_tokens is None and model.embedding_blocks.type == "Q8_0"
     other = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=8)
     assert other.engine.runner.packed_weight_dtypes == ("float32", "float32")
 
@@ -109,6 +112,7 @@ def test_auto_packs_a_gguf_as_its_own_types_with_greedy_equal_to_transformers(
 def test_float32_packed_greedy_matches_transformers_on_the_gguf(gguf_reference):
     _, model = gguf_reference
     llm = LLM(dtype="float32", packed_weight_dtype="float32")
+    assert llm.engine.runner.model.embedding_blocks is None  # the tied logits need the table
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for output in llm.generate(list(PROMPTS), params):
         assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)

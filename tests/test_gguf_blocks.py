@@ -74,6 +74,19 @@ def test_every_format_that_holds_the_parts_multiplies_them(types):
             assert error < 1e-5, (name, rows)
 
 
+@pytest.mark.parametrize(
+    "types", [["Q6_K"], ["Q4_K", "Q4_K", "Q6_K"], ["Q5_0", "Q8_0"]], ids="+".join
+)
+def test_packing_a_map_in_pieces_gives_the_panels_of_the_whole(types):
+    """pack decodes and packs a long map a piece of rows at a time (its memory's peak): the
+    pieces' panels, one after the other, are the whole map's, ragged last panel included."""
+    last = len(types) - 1
+    parts = [_part(t, 200 if i == last else 192, 512, seed=i) for i, t in enumerate(types)]
+    for name in [name for name, holds in FORMAT_HOLDS.items() if set(types) <= holds]:
+        whole = gguf_blocks._pack(name, parts)
+        assert torch.equal(gguf_blocks.pack(name, parts, rows=64), whole), name
+
+
 def test_a_format_refuses_parts_it_does_not_hold():
     with pytest.raises(ValueError, match="q4_k does not hold GGUF Q6_K"):
         gguf_blocks.pack("q4_k", [_part("Q4_K", 32, 256, 0), _part("Q6_K", 32, 256, 1)])

@@ -119,13 +119,15 @@ def model_cost(model: DecoderModel) -> ModelCost:
     linears = [module for module in model.modules() if isinstance(module, Linear)]
     multiplied = sum(linear.in_features * linear.out_features for linear in linears)
     counted = {id(linear.weight) for linear in linears if linear.weight is not None}
-    # Tied embeddings are the output projection's weight as well: counted once, as multiplied.
-    if model.config.tie_word_embeddings:
-        counted.add(id(model.embed_tokens))
+    # The embeddings, whether a parameter or GGUF blocks (model.embedding_blocks), are counted
+    # apart: tied, they are the output projection's weight as well (counted once, as multiplied).
+    counted.add(id(model.embed_tokens))
     other_elements = sum(p.numel() for p in model.parameters() if id(p) not in counted)
+    if not model.config.tie_word_embeddings:
+        other_elements += model.config.vocab_size * model.config.hidden_size
     return ModelCost(
         weight_elements=multiplied + other_elements,
-        element_size=model.embed_tokens.element_size(),
+        element_size=model.norm.weight.element_size(),
         packed_elements=multiplied,
         logits_elements=model.lm_head.in_features * model.lm_head.out_features,
         flops_per_token=2.0 * multiplied,

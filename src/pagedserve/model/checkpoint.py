@@ -50,17 +50,24 @@ def load_weights(
     map is handed to its method (methods, by module name; else kept as loaded) as soon as its
     weights are in, so that one map's float weights at most are held beside the packed ones;
     a map whose method packs the GGUF file's own blocks (parts) reads no float weight at all,
-    and its entry of parts is dropped once packed, unmapping the file's pages it read.
+    and its entry of parts is dropped once packed, unmapping the file's pages it read. With
+    packed maps, the embeddings are looked up in the file's blocks (parts["embed_tokens"])
+    where it has them, unless the output projection needs their float table (tied and not
+    packed from the blocks).
 
     The parameters of a fused map (qkv_proj, gate_up_proj) are filled when all their parts have
     been read; Gemma's norms get their offset folded in; tied embeddings are the output
     projection's weight."""
     config = model.config
     methods, parts = methods or {}, parts if parts is not None else {}
+    from_blocks = {name for name, method in methods.items() if method.takes(parts.get(name, ()))}
+    embedding = parts.pop("embed_tokens", None)
+    table_needed = config.tie_word_embeddings and "lm_head" not in from_blocks
+    if embedding and methods and not table_needed:
+        model.use_embedding_blocks(embedding[0])
     params = dict(model.named_parameters())  # the tied output projection's weight is not apart
     expected = set(params)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    from_blocks = {name for name, method in methods.items() if method.takes(parts.get(name, ()))}
     needs: dict[str, set[str]] = {}  # a linear map's parameters still to read
     for name, module in linears.items():
         weight = "embed_tokens" if module.weight is model.embed_tokens else f"{name}.weight"
@@ -76,6 +83,7 @@ def load_weights(
             linears[name].use_method(methods[name], parts.pop(name, ()))
         for key in (f"{name}.weight", f"{name}.bias"):
             params.pop(key, None)  # a packed map's float weight is freed with it
+        _return_freed_memory()
 
     for name in [name for name, keys in needs.items() if not keys]:
         finish(name)
@@ -83,6 +91,8 @@ def load_weights(
         target = _target(name, config)
         if target is None or target[0] in skipped:
             continue
+        if target[0] == "embed_tokens" and model.embed_tokens is None:
+            continue  # looked up in the file's blocks
         key, index = target
         if key not in expected:
             unexpected.append(name)
@@ -114,16 +124,23 @@ def load_weights(
     _return_freed_memory()
 
 
-def _return_freed_memory() -> None:
-    """Hands the pages of the tensors freed while loading back to the system. glibc's malloc
-    serves buffers under its (rising) mmap threshold from its heap, and keeps their pages once
-    they are freed: here the float copy of each map read, which would otherwise stay resident
-    for the life of the process (a fifth of a bfloat16 file's size)."""
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc: its allocator keeps its own counsel
-        pass
+        return None
+
+
+def _return_freed_memory() -> None:
+    """Hands the pages of the buffers freed since back to the system, once a map is packed.
+    glibc's malloc serves buffers under its (rising) mmap threshold from its heap and keeps
+    their pages once they are freed, between the panels allocated meanwhile: the float copy of
+    each map read and the integers decoded from its blocks would otherwise pile up to a third
+    of the model's size by the end of loading, and stay resident."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _copy_into(param: torch.Tensor, tensor: torch.Tensor, key: str, name: str) -> None:
@@ -147,8 +164,16 @@ def _checkpoint_tensors(
         return
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
-                yield name, functools.partial(handle.get_tensor, name)
+            names = list(handle.keys())
+        for name in names:
+            yield name, functools.partial(_read_safetensor, path, name)
+
+
+def _read_safetensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor of the file, which is mapped only while it is read: a shard mapped throughout
+    would keep every page read so far resident (a gigabyte a shard)."""
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.get_tensor(name)
 
 
 def weights_bytes(model_dir: Path, dtype: torch.dtype, packed: bool) -> int:
@@ -159,12 +184,11 @@ def weights_bytes(model_dir: Path, dtype: torch.dtype, packed: bool) -> int:
     gguf_types = gguf_tensor_types(model_dir)
     total = 0
     if gguf_types is not None:
-        for name, tensor in gguf_types.tensors.items():
-            as_dtype = math.prod(tensor.shape) * dtype.itemsize
-            if packed and len(tensor.shape) == 2 and name != "token_embd.weight":
-                total += tensor.nbytes
+        for tensor in gguf_types.tensors.values():
+            if packed and len(tensor.shape) == 2:
+                total += tensor.nbytes  # embeddings in a block type too (looked up in them)
             else:
-                total += as_dtype
+                total += math.prod(tensor.shape) * dtype.itemsize
         return total
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
@@ -251,7 +275,8 @@ def gguf_linear_parts(
     gguf_path: Path, model_dir: Path, config: ModelConfig
 ) -> dict[str, list[GGUFPart]]:
     """The GGUF file's own blocks of each linear map of DecoderModel stored in a block type, by
-    module name (e.g. "layers.0.self_attn.qkv_proj", "lm_head"), a fused map's parts in order;
+    module name (e.g. "layers.0.self_attn.qkv_proj", "lm_head"; "embed_tokens" for the
+    embeddings' lookup table), a fused map's parts in order;
     model_dir: the file's metadata, which records where its blocks lie. A fused map with a
     part stored otherwise (e.g. as F16) has none."""
     parts: dict[str, dict[int, GGUFPart]] = {}
@@ -262,6 +287,7 @@ def gguf_linear_parts(
     names = gguf_blocks.GGUFNames(types, config.transformers_config)
     for name, part in gguf_blocks.linear_parts(gguf_path, types, names).items():
         if name == "model.embed_tokens.weight":  # the output projection too, when tied
+            whole["embed_tokens"] = [part]
             if config.tie_word_embeddings:
                 whole.setdefault("lm_head", [part])
             continue

@@ -64,7 +64,7 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.scratch_block = scratch_block
         self.capture = capture
-        device = model.embed_tokens.device
+        device = model.norm.weight.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.context_lens = torch.ones(max_batch, dtype=torch.long, device=device)
         self.tables = torch.full(

@@ -3,13 +3,16 @@ mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE) families."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.model import gguf_blocks
 from pagedserve.model.attention import AttentionBatch, AttentionGroup, PagedAttention
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.custom_op import CustomOp
+from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.layers import GatedMLP, Linear, RMSNorm, SparseMoE
 from pagedserve.model.rotary import RotaryAngles, RotaryEmbedding
 
@@ -103,6 +106,8 @@ class DecoderModel(nn.Module):
         # Set by use_cpu_kernels where every layer runs its C++ kernels: the weights of the op
         # that runs a decode-only step's layers in one call (csrc/decode_layers.cpp).
         self.decode_weights: list[torch.Tensor | None] | None = None
+        # Set by use_embedding_blocks: the GGUF blocks the lookup reads instead of embed_tokens.
+        self.embedding_blocks: GGUFPart | None = None
         self.k_caches: list[torch.Tensor] = []  # each layer's, once attached
         self.v_caches: list[torch.Tensor] = []
 
@@ -114,7 +119,7 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids: [tokens], every scheduled token of the step packed together. long_prompts:
         see RotaryEmbedding.forward (longrope only)."""
-        hidden, residual = F.embedding(input_ids, self.embed_tokens), None
+        hidden, residual = self.embed(input_ids), None
         if self.config.embed_scale is not None:
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
         angles = {
@@ -180,6 +185,22 @@ class DecoderModel(nn.Module):
                 weight for layer in self.layers for weight in layer.decode_weights()
             ]
 
+    def use_embedding_blocks(self, part: GGUFPart) -> None:
+        """Looks tokens up in a GGUF file's own blocks of the embeddings, held in memory (a
+        fraction of a float table's bytes), each row read as gguf dequantizes it: the values
+        transformers' float table holds."""
+        self.embedding_blocks = GGUFPart(part.type, np.array(part.rows))
+        self.embed_tokens = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[tokens] -> [tokens, hidden]: rows of the float table, or dequantized from the
+        file's blocks (each row alone: batch-invariant)."""
+        if self.embedding_blocks is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        blocks = self.embedding_blocks
+        rows = GGUFPart(blocks.type, blocks.rows[input_ids.numpy()])
+        return torch.from_numpy(gguf_blocks.dequantize(rows)).to(self.norm.weight.dtype)
+
     def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copies whole KV blocks in every layer (copy on write of blocks shared by samples)."""
         for layer in self.layers:
@@ -190,7 +211,7 @@ class DecoderModel(nn.Module):
     def attach_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         config = self.config
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        device = self.embed_tokens.device
+        device = self.norm.weight.device
         for layer in self.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)

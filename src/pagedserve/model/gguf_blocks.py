@@ -181,15 +181,37 @@ def dequantize(part: GGUFPart) -> np.ndarray:
     return weights
 
 
-def pack(format_name: str, parts: Sequence[GGUFPart]) -> torch.Tensor:
+# Rows packed at a time: the integers decoded on the way take several times the blocks' bytes
+# (a 49,152-row output projection's would take hundreds of MB at once). A multiple of every
+# panel's height (csrc/packed_linear.cpp's kPanel: 16 or 32 rows), so that the panels of
+# consecutive pieces are those of the whole, one after the other.
+PACK_ROWS = 4096
+_PANEL_ROWS = 64
+
+
+def pack(format_name: str, parts: Sequence[GGUFPart], rows: int = PACK_ROWS) -> torch.Tensor:
     """Panels of format_name (a FORMAT_HOLDS key) for the parts, concatenated along the output
-    features in their order (a fused map's)."""
+    features in their order (a fused map's); packed `rows` rows at a time where the parts'
+    boundaries fall between panels."""
     outside = {part.type for part in parts} - FORMAT_HOLDS[format_name]
     if outside:
         raise ValueError(
             f"packed weight format {format_name} does not hold GGUF {', '.join(sorted(outside))} "
             f"weights exactly; it holds {', '.join(sorted(FORMAT_HOLDS[format_name]))}"
         )
+    if any(len(part.rows) % _PANEL_ROWS for part in parts[:-1]):
+        return _pack(format_name, parts)
+    pieces = [
+        GGUFPart(part.type, part.rows[start : start + rows])
+        for part in parts
+        for start in range(0, len(part.rows), rows)
+    ]
+    if len(pieces) == 1:
+        return _pack(format_name, pieces)
+    return torch.cat([_pack(format_name, [piece]) for piece in pieces])
+
+
+def _pack(format_name: str, parts: Sequence[GGUFPart]) -> torch.Tensor:
     decoded = [_decode(part) for part in parts]
     op = getattr(torch.ops.pagedserve, f"pack_{format_name}")
     if format_name in ("q4_1", "q5_0", "q5_1", "q8_0", "q8_min"):
