@@ -97,3 +97,26 @@ def test_a_sharded_bfloat16_checkpoint_loads_as_its_unsharded_self(tiny_checkpoi
     for a, b in zip(whole_out, sharded_out, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_a_gguf_file_written_by_the_load_benchmark_generates_as_transformers_reads_it(
+    monkeypatch, tmp_path
+):
+    """`pagedserve bench load`'s files of real shapes, here at a tiny shape: F16 matrices, F32
+    norms, an untied output projection."""
+    from conftest import reference_greedy
+
+    from pagedserve.bench.load import Shape, write_f16_gguf
+
+    shape = Shape(layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2)
+    # Wider weights than a trained model's: logits whose top two rarely tie under float noise.
+    path = write_f16_gguf(tmp_path / "random-llama-tiny.F16.gguf", shape, spread=0.2)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=16)
+    assert llm.engine.runner.packed_weight_dtypes == ("float16", "float16")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for output in llm.generate(["The history of the Roman Empire", "def fibonacci(n):"], params):
+        assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 16)

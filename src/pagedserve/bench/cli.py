@@ -1,4 +1,4 @@
-"""`pagedserve bench serve|throughput|sweep|report`: argument parsing and printing only.
+"""`pagedserve bench serve|throughput|sweep|load|report`: argument parsing and printing only.
 
 `bench serve` imports nothing of the engine: it measures any server over HTTP.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 from pathlib import Path
 
 from pydantic_core import to_json
@@ -71,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slo_arg(sweep, default="tpot=200")
     _add_result_file_arg(sweep)
     sweep.set_defaults(handler=_sweep)
+
+    load = kinds.add_parser("load", help="real sizes from their files: start, memory, decode")
+    load.add_argument("--sizes", default="1.1b", help="comma-separated: 1.1b, 7b")
+    load.add_argument("--work-dir", type=Path, default=Path("/tmp/pagedserve-load"))
+    load.add_argument("--threads", type=int, default=os.cpu_count())
+    load.add_argument("--plots-dir", type=Path, default=Path("docs/bench"))
+    load.set_defaults(handler=_load)
 
     report = kinds.add_parser("report", help="run every benchmark and write BENCHMARKS.md")
     report.add_argument("--output", type=Path, default=Path("BENCHMARKS.md"))
@@ -226,6 +234,18 @@ def _report(args: argparse.Namespace) -> None:
         model=args.model, dtype=args.dtype, plots_dir=args.plots_dir, threads=args.threads
     )
     print(f"report written to {write_report(config, args.output)}")
+
+
+def _load(args: argparse.Namespace) -> None:
+    from pagedserve.bench.load import run_load
+    from pagedserve.bench.render import write_benchmarks
+    from pagedserve.model.cpu_features import CpuFeatures
+
+    sizes = [size.strip() for size in args.sizes.split(",")]
+    out_dir = args.plots_dir / CpuFeatures.host().kind
+    path = run_load(out_dir, args.work_dir, sizes, args.threads)
+    print(path.read_text())
+    print(f"report written to {write_benchmarks(args.plots_dir, Path('BENCHMARKS.md'))}")
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -29,18 +29,23 @@ from pagedserve.model.source import GGUF_LINEAR_MAPS
 
 def q4_k_m_of(gguf_path: Path, out_dir: Path) -> Path:
     """out_dir/<stem>.Q4_K_M.gguf, made from gguf_path through an F16 copy."""
-    import llama_cpp
-
     f16 = out_dir / f"{gguf_path.stem}.F16.gguf"
     _write_f16(gguf_path, f16)
     out = out_dir / f"{gguf_path.stem.split('.')[0]}.Q4_K_M.gguf"
+    quantize_q4_k_m(f16, out)
+    f16.unlink()
+    return out
+
+
+def quantize_q4_k_m(f16: Path, out: Path) -> None:
+    """out: f16 (a GGUF file of float weights) made Q4_K_M by llama.cpp, as `llama-quantize`."""
+    import llama_cpp
+
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
     params.nthread = torch.get_num_threads()
     if llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), ctypes.byref(params)):
         raise RuntimeError(f"llama.cpp could not quantize {f16} to Q4_K_M")
-    f16.unlink()
-    return out
 
 
 def _write_f16(source: Path, out: Path) -> None:
