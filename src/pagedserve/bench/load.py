@@ -306,7 +306,8 @@ def run_load(out_dir: Path, work_dir: Path, sizes: list[str], threads: int) -> P
         "included, to its first token of a 32-token prompt; decode: the 64 tokens after it. Each "
         f"holds a KV cache of {CONTEXT} tokens (ours: blocks of 16 float32 tokens). Bound: the "
         f"machine's measured memory bandwidth ({bandwidth:.1f} GB/s) over the weight bytes one "
-        "decode step reads (ours: the packed linear maps as held).",
+        "decode step reads (ours: the packed linear maps as held). llama.cpp: llama-cpp-python "
+        "as `make bench` builds it (this host's instructions, AMX left out).",
         "",
         "| model, run | file | start to first token | peak RSS | written to disk "
         "| single-stream decode | of the bandwidth bound |",
