@@ -118,6 +118,19 @@ def test_float32_packed_greedy_matches_transformers_on_the_gguf(gguf_reference):
         assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)
 
 
+def test_the_transformers_baseline_reads_the_gguf_file_itself(llm):
+    """The benchmarks' baseline runs on the file the engine reads in place: the cache holds no
+    weights for transformers to load."""
+    from pagedserve.bench.datasets import BenchRequest
+    from pagedserve.bench.hf_baseline import run_transformers
+    from pagedserve.bench.offline import EngineSetup
+
+    setup = EngineSetup.of(llm.engine)
+    assert setup.gguf_path == default_gguf_path()
+    run = run_transformers([BenchRequest([1, 2, 3, 4], 4)], 1, setup)
+    assert run.output_tokens == 4 and len(run.e2e_s) == 1
+
+
 def test_chat_knows_the_capital_of_france(llm):
     question = [{"role": "user", "content": "What is the capital of France?"}]
     output = llm.chat(question, SamplingParams(temperature=0, max_tokens=32))[0]

@@ -8,11 +8,14 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 from gguf_quantize import requantized_default_gguf
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.model.checkpoint import weights_bytes
+from pagedserve.model.source import resolve_model_dir
 
 # A child process's peak resident memory (KiB, Linux's ru_maxrss): after loading the model given
 # and generating from it, or with "-" after importing the engine only.
@@ -120,3 +123,22 @@ def test_a_gguf_file_written_by_the_load_benchmark_generates_as_transformers_rea
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for output in llm.generate(["The history of the Roman Empire", "def fibonacci(n):"], params):
         assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 16)
+
+
+@pytest.mark.parametrize("packed_weight_dtype", ["auto", "float32"])
+def test_the_weights_told_before_loading_are_the_weights_held(packed_weight_dtype):
+    """weights_bytes, from the default GGUF file's metadata only, against what the loaded model
+    holds: its parameters, its packed maps' panels and its embeddings' blocks."""
+    llm = LLM(dtype="float32", packed_weight_dtype=packed_weight_dtype, num_kv_blocks=8)
+    runner = llm.engine.runner
+    model = runner.model
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(
+        m.panels.numel() * m.panels.element_size()
+        for m in model.modules()
+        if getattr(m, "panels", None) is not None
+    )
+    if model.embedding_blocks is not None:
+        held += model.embedding_blocks.rows.nbytes
+    told = weights_bytes(resolve_model_dir(None), runner.dtype, packed_weight_dtype)
+    assert abs(told - held) < 0.03 * held, (told, held)

@@ -23,7 +23,13 @@ def run_transformers(
     from transformers import AutoModelForCausalLM
 
     device = setup.device
-    model = AutoModelForCausalLM.from_pretrained(setup.model_dir, dtype=setup.dtype)
+    if setup.gguf_path is None:
+        model = AutoModelForCausalLM.from_pretrained(setup.model_dir, dtype=setup.dtype)
+    else:  # transformers dequantizes the file's weights itself
+        path = setup.gguf_path
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=setup.dtype
+        )
     model = model.to(device).eval()
     # ignore_eos, as our runs have it: every request produces exactly its output length.
     model.generation_config.eos_token_id = None

@@ -20,6 +20,7 @@ from pagedserve.bench.records import KvLayout, ModelCost, Run, Setup
 from pagedserve.bench.trace import StepRecord, StepRecorder, kv_layout, step_summary
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.llm import LLM
+from pagedserve.model.source import gguf_file
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.timing import Stopwatch
@@ -37,6 +38,7 @@ class EngineSetup:
     kv_layout: KvLayout
     cost: ModelCost
     packed_weight_dtype: str | None  # None: the linear weights as loaded, for F.linear
+    gguf_path: Path | None = None  # the GGUF file whose metadata model_dir holds (its weights)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineSetup:
@@ -49,6 +51,7 @@ class EngineSetup:
             kv_layout(engine),
             model_cost(runner.model),
             None if packed is None else packed.linear_maps,
+            gguf_file(engine.config.model),
         )
 
     @property

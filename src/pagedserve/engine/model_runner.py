@@ -176,7 +176,9 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         packed = config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype)
         if self.device.type == "cpu":
-            _check_memory(weights_bytes(model_dir, self.dtype, packed), self.kv_cache_bytes, config)
+            packed_format = config.packed_weight_dtype if packed else None
+            weights = weights_bytes(model_dir, self.dtype, packed_format)
+            _check_memory(weights, self.kv_cache_bytes, config)
         with torch.device(self.device):
             self.model = DecoderModel(model_config, self.dtype)
         # None: the linear weights are used as loaded, by F.linear.

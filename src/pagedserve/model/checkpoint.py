@@ -17,9 +17,9 @@ from safetensors import safe_open
 from pagedserve.model import gguf_blocks
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import DecoderModel
-from pagedserve.model.gguf_blocks import GGUFPart
+from pagedserve.model.gguf_blocks import BLOCK_TYPES, FORMAT_HOLDS, GGUFPart
 from pagedserve.model.layers import Linear
-from pagedserve.model.linear_method import LinearMethod
+from pagedserve.model.linear_method import PACKED_FORMATS, LinearMethod
 from pagedserve.model.source import gguf_tensor_types
 
 # Checkpoint projections that DecoderModel keeps fused in one matrix, in concatenation order, by
@@ -176,28 +176,51 @@ def _read_safetensor(path: Path, name: str) -> torch.Tensor:
         return handle.get_tensor(name)
 
 
-def weights_bytes(model_dir: Path, dtype: torch.dtype, packed: bool) -> int:
+def weights_bytes(model_dir: Path, dtype: torch.dtype, packed_format: str | None) -> int:
     """What the checkpoint's weights take once loaded, from the files' headers only: each
-    tensor as dtype, but with packed (the C++ kernels' path) the linear maps as the checkpoint
-    stores them (a GGUF file's blocks, a safetensors file's dtype), the embeddings' lookup
-    table kept as dtype beside them."""
+    tensor as dtype, but the linear maps as packed_format holds them where they are packed (the
+    C++ kernels' path; "auto": as the checkpoint stores them, a GGUF file's blocks or a
+    safetensors file's dtype). A GGUF file's embeddings stored in a block type are looked up in
+    those blocks, and when tied they are packed once more for the logits."""
+
+    def matrix(elements: int, stored_bytes: int) -> int:
+        if packed_format is None:
+            return elements * dtype.itemsize
+        if packed_format == "auto":
+            return stored_bytes
+        return math.ceil(elements * PACKED_FORMATS[packed_format].bytes_per_weight)
+
     gguf_types = gguf_tensor_types(model_dir)
     total = 0
     if gguf_types is not None:
-        for tensor in gguf_types.tensors.values():
-            if packed and len(tensor.shape) == 2:
-                total += tensor.nbytes  # embeddings in a block type too (looked up in them)
+        for name, tensor in gguf_types.tensors.items():
+            elements = math.prod(tensor.shape)
+            if name == "token_embd.weight":
+                tied = "output.weight" not in gguf_types.tensors
+                # Looked up in its blocks unless tied logits packed otherwise need a float table.
+                held = packed_format in ("auto", None) or tensor.type in FORMAT_HOLDS.get(
+                    packed_format, ()
+                )
+                in_blocks = packed_format is not None and tensor.type in BLOCK_TYPES
+                in_blocks = in_blocks and (held or not tied)
+                total += tensor.nbytes if in_blocks else elements * dtype.itemsize
+                if tied:  # the logits' panels too
+                    total += matrix(elements, tensor.nbytes)
+            elif len(tensor.shape) == 2:
+                total += matrix(elements, tensor.nbytes)
             else:
-                total += math.prod(tensor.shape) * dtype.itemsize
+                total += elements * dtype.itemsize
         return total
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
                 stored = handle.get_slice(name)
-                size = math.prod(stored.get_shape())
-                matrix = len(stored.get_shape()) == 2 and "embed_tokens" not in name
+                elements = math.prod(stored.get_shape())
                 itemsize = _DTYPE_BYTES.get(stored.get_dtype(), 4)
-                total += size * (itemsize if packed and matrix else dtype.itemsize)
+                if len(stored.get_shape()) == 2 and "embed_tokens" not in name:
+                    total += matrix(elements, elements * itemsize)
+                else:
+                    total += elements * dtype.itemsize
     return total
 
 
