@@ -1,7 +1,7 @@
 """Tool calls through a real server and the official openai client (and LangChain): a named
 function and "required" held to their schemas by the grammar, "auto" read by the server's
-parser, tool messages in the conversation, streamed as whole; and each parser on its model's
-format."""
+parser, tool messages in the conversation, streamed as the model writes them; and each parser
+on its model's format."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ import openai
 import pytest
 from conftest import ServerProcess
 
-from pagedserve.server.tool_calls import HermesParser, Llama3JsonParser, MistralParser
+from pagedserve.server.tool_calls import (
+    CallStream,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    scan_calls,
+)
 
 # A Hermes-style template (as Qwen 2.5's): tools in a system turn, calls and results as tags.
 TEMPLATE = """\
@@ -152,15 +158,17 @@ def test_auto_reads_the_calls_the_model_writes_with_the_servers_parser(client):
         {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
         {"tool_choice": "required"},
         {"extra_body": {"structured_outputs": {"regex": "Let me check. " + HERMES_CALL}}},
+        {"tool_choice": "required", "max_tokens": 15},  # cut short inside the call
     ],
 )
 def test_streamed_calls_equal_the_whole_response(client, options):
     """The openai client's own accumulation of the streamed deltas gives the whole response's
-    content, calls and finish reason (greedy, so the same tokens)."""
+    content, calls and finish reason (greedy, so the same tokens); each call's arguments come
+    in several deltas, as the model writes them, not whole at the end."""
     request = dict(model="smol", messages=ASK, tools=[WEATHER, TIME], temperature=0,
-                   max_tokens=120, **options)  # fmt: skip
+                   max_tokens=120) | options  # fmt: skip
     whole = client.chat.completions.create(**request).choices[0]
-    content, calls, finish = "", {}, None
+    content, calls, finish, pieces = "", {}, None, 0
     for chunk in client.chat.completions.create(stream=True, **request):
         if not chunk.choices:
             continue
@@ -171,12 +179,24 @@ def test_streamed_calls_equal_the_whole_response(client, options):
             call["id"] = call["id"] or piece.id
             call["name"] += piece.function.name or ""
             call["arguments"] += piece.function.arguments or ""
+            pieces += bool(piece.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
     assert finish == whole.finish_reason
     assert (content or None) == whole.message.content
     expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert [(c["name"], c["arguments"]) for c in calls.values()] == expected
     assert all(c["id"] for c in calls.values())
+    assert pieces > len(calls)
+    if request["max_tokens"] == 15:  # the call as far as it went
+        assert finish == "length" and expected[0][1] and not _is_json(expected[0][1])
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def test_tool_results_reach_the_template(server, client):
@@ -311,6 +331,53 @@ def test_parsers_read_their_models_formats(parser, text, content, calls):
     assert [(call.name, json.loads(call.arguments)) for call in found] == calls
     if isinstance(parser, MistralParser):
         assert all(len(call.id) == 9 and call.id.isalnum() for call in found)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (
+            HermesParser(),
+            'Sure. <tool_call>\n{"name": "f", "arguments": {"a": "}{\\"]", "b": [1, {}]}}\n'
+            '</tool_call>\n<tool_call>{"arguments": {"x": null}, "name": "g"}</tool_call>',
+        ),
+        (HermesParser(), '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'),
+        (HermesParser(), '<tool_call>{"name": "f"}</tool_call>'),
+        (
+            Llama3JsonParser(),
+            '{"name": "f", "parameters": {"a": 1.5e3, "b": true}}; {"name": "g", ',
+        ),
+        (MistralParser(), '[TOOL_CALLS] [{"name": "f", "arguments": {"b": [1, 2]}}, {"name": "h"'),
+    ],
+)
+def test_calls_streamed_piece_by_piece_add_up_to_the_parsed_calls(parser, text):
+    """Fed one character at a time, a choice's call deltas add up to the calls parsed from the
+    whole text: the same names, the same arguments' text, the same ids' kind; cut short
+    (partial), to the calls as far as they went."""
+    start = parser.calls_start(text)[1]
+    stream, streamed = CallStream(parser.keys, parser.new_id), {}
+    for end in range(start, len(text) + 1):
+        for piece in stream.deltas(text[start:end], final=end == len(text)):
+            call = streamed.setdefault(piece["index"], {"name": "", "arguments": ""})
+            call["name"] += piece["function"].get("name", "")
+            call["arguments"] += piece["function"]["arguments"]
+    _, parsed = parser.parse(text, partial=True)
+    assert parsed, text
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+        (call.name, call.arguments) for call in parsed
+    ]
+    assert [len(call_id) for call_id, _ in stream.sent] == [len(call.id) for call in parsed]
+
+
+def test_required_calls_are_read_by_the_same_scanner():
+    keys = ("parameters",)
+    whole = scan_calls('[{"name": "f", "parameters": {"z": "C"}}]', keys, partial=False)
+    assert [(c.name, c.arguments) for c in whole] == [("f", '{"z": "C"}')]
+    assert scan_calls('[{"name": "f", "parameters": {"z": "C', keys, partial=False) is None
+    (cut,) = scan_calls('[{"name": "f", "parameters": {"z": "C', keys, partial=True)
+    assert (cut.name, cut.arguments) == ("f", '{"z": "C')
+    assert scan_calls('[{"name": "f", "parameters": 5}]', keys, partial=False) is None
+    assert scan_calls("[]", keys, partial=False) is None
 
 
 def test_streaming_holds_back_what_may_begin_a_call():

@@ -37,7 +37,13 @@ from pagedserve.server.protocol import (
     template_tools,
 )
 from pagedserve.server.responses import Choice, sse
-from pagedserve.server.tool_calls import PARSERS, ToolCall, calls_from_required
+from pagedserve.server.tool_calls import (
+    PARSERS,
+    CallStream,
+    ToolCall,
+    new_call_id,
+    scan_calls,
+)
 from pagedserve.validation import FieldError
 
 logger = logging.getLogger(__name__)
@@ -479,6 +485,8 @@ class _ChatCompletion(_Completion):
         self.parser = PARSERS[tool_parser]() if self.tool_mode == "auto" else None
         self.sent = [0] * len(self.choices)  # streamed: each choice's text sent as content
         self.unsent = [""] * len(self.choices)  # streamed with a parser: the text held back
+        new_id = self.parser.new_id if self.parser is not None else new_call_id
+        self.call_streams = [CallStream(self._arguments_keys(), new_id) for _ in self.choices]
 
     async def chunks(self, streams) -> AsyncIterator[str]:
         envelope = {**self._envelope(), "object": "chat.completion.chunk"}
@@ -515,18 +523,29 @@ class _ChatCompletion(_Completion):
     def _top_logprobs(self) -> int:
         return self.body.top_logprobs or 0
 
-    def _calls(self, index: int, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A finished choice's content and tool calls (server/tool_calls.py)."""
+    def _arguments_keys(self) -> tuple[str, ...]:
+        return self.parser.keys if self.parser is not None else ("parameters",)
+
+    def _calls(self, index: int, text: str, partial: bool) -> tuple[str | None, list[ToolCall]]:
+        """A finished choice's content and tool calls (server/tool_calls.py); `partial`: cut
+        short by max_tokens, so calls are taken as far as they go."""
         if self.named_call is not None:
             call = self.named_call[index]
             call.arguments = text
             return None, [call]
         if self.tool_mode == "required":
-            calls = calls_from_required(text)
+            calls = scan_calls(text, self._arguments_keys(), partial)
             return (text, []) if calls is None else (None, calls)
         if self.parser is not None:
-            return self.parser.parse(text)
+            return self.parser.parse(text, partial)
         return text, []
+
+    def _calls_start(self, text: str) -> int | None:
+        """Where the calls' JSON begins in a choice's text, once it shows a call."""
+        if self.tool_mode == "required":
+            return 0
+        start = self.parser.calls_start(text) if self.parser is not None else None
+        return None if start is None else start[1]
 
     def _finish_fields(self, source: StepOutput | Choice, calls: list[ToolCall]) -> dict:
         fields = responses.finish_fields(source)
@@ -535,7 +554,8 @@ class _ChatCompletion(_Completion):
         return fields
 
     def _choice(self, choice: Choice) -> dict:
-        content, calls = self._calls(choice.index, "".join(choice.text))
+        text = "".join(choice.text)
+        content, calls = self._calls(choice.index, text, choice.finish_reason == "length")
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.as_dict() for call in calls]
@@ -556,9 +576,10 @@ class _ChatCompletion(_Completion):
         }
 
     def _tool_delta(self, output: StepOutput, index: int) -> tuple[dict, list[ToolCall]]:
-        """The stream delta of a piece, and the calls it completes. A named call streams its
-        arguments as they come; otherwise content is sent up to where a call may begin (all of
-        it without tools), and calls are sent whole when the choice ends."""
+        """The stream delta of a piece, and the calls of the choice when it ends. A named call
+        streams its arguments as they come. Otherwise content is sent up to where a call may
+        begin (all of it without tools), and calls are sent as the model writes them: each
+        one's id and name, then its arguments piece by piece."""
         if self.tool_mode == "none":
             return ({"content": output.new_text} if output.new_text else {}), []
         if self.named_call is not None:
@@ -572,22 +593,26 @@ class _ChatCompletion(_Completion):
                 piece = {"index": 0, "id": call.id, "type": "function",
                          "function": {"name": call.name, "arguments": output.new_text}}  # fmt: skip
             return {"tool_calls": [piece]}, []
+        text = "".join(self.choices[index].text)
+        final = output.finish_reason is not None
         calls: list[ToolCall] = []
         delta: dict = {}
-        if output.finish_reason is not None:
-            _, calls = self._calls(index, "".join(self.choices[index].text))
+        if final:
+            _, calls = self._calls(index, text, output.finish_reason == "length")
         if self.parser is not None:  # content is streamed up to where a call may begin
             unsent = self.unsent[index] + output.new_text
             end = len(unsent)
-            if calls or output.finish_reason is None:
+            if calls or not final:
                 end = self.parser.held_from(unsent, at_start=self.sent[index] == 0)
             if end:
                 delta["content"] = unsent[:end]
                 self.sent[index] += end
             self.unsent[index] = unsent[end:]
-        elif output.finish_reason is not None and not calls:  # required, and not a list of calls
-            text = "".join(self.choices[index].text)
+        elif final and not calls:  # required, and not a list of calls
             delta = {"content": text} if text else {}
-        if calls:
-            delta["tool_calls"] = [call.as_dict(i) for i, call in enumerate(calls)]
+        start = self._calls_start(text)
+        if start is not None and (calls or not final):
+            pieces = self.call_streams[index].deltas(text[start:], final)
+            if pieces:
+                delta["tool_calls"] = pieces
         return delta, calls

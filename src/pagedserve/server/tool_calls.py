@@ -12,16 +12,21 @@
   then a JSON list), with the text before them as the message's content. Text that does not
   parse stays content.
 
-Streamed, content is sent as it comes until the text may be starting a call (the parser's
-marker); what follows is held and read once the choice ends, its calls sent as whole deltas.
+A call's arguments are the text the model wrote for them, as OpenAI returns them, so a stream
+can send them as they come: `CallScanner` reads call objects out of the JSON as it grows, and
+`CallStream` turns each new piece into deltas (a call's id, type and name once its name is
+whole, then its arguments' text). Streamed, content before the calls is sent until the text may
+be starting a call (the parser's marker). A call cut short by max_tokens is returned as far as
+it went, with finish_reason "length", streamed or not; text that turns out not to be a call
+after its first deltas were streamed ends the stream as content.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import secrets
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -32,12 +37,16 @@ class ToolCall:
     id: str = ""
 
     def __post_init__(self) -> None:
-        self.id = self.id or f"call_{secrets.token_hex(12)}"
+        self.id = self.id or new_call_id()
 
     def as_dict(self, index: int | None = None) -> dict[str, Any]:
         call = {"id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
         return call if index is None else {"index": index, **call}
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
 
 
 def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
@@ -65,23 +74,199 @@ def required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str
     return schema
 
 
-def calls_from_required(text: str) -> list[ToolCall] | None:
-    """The calls of a "required" output; None when it is not the list the grammar holds it to
-    (cut short by max_tokens, say)."""
+@dataclass
+class _Value:
+    start: int
+    end: int | None = None  # None while the model is still writing it
+
+
+@dataclass
+class CallObject:
+    """A call object as far as the text goes: where each of its own keys' values stands."""
+
+    values: dict[str, _Value] = field(default_factory=dict)
+    closed: bool = False
+
+    def name(self, text: str) -> str | None:
+        value = self.values.get("name")
+        if value is None or value.end is None:
+            return None
+        name = _loads(text[value.start : value.end])
+        return name if isinstance(name, str) else None
+
+    def arguments(self, text: str, keys: tuple[str, ...], final: bool) -> str | None:
+        """The arguments' text so far; None while there is nothing to show yet. Arguments
+        written as a JSON string (some models quote them) show once whole, unquoted."""
+        value = next((self.values[key] for key in keys if key in self.values), None)
+        if value is None:
+            return "{}" if self.closed else "" if final else None
+        raw = text[value.start : value.end]
+        if not raw.startswith('"'):
+            return raw
+        if value.end is None:
+            return "" if final else None
+        unquoted = _loads(raw)
+        return unquoted if isinstance(unquoted, str) else raw
+
+
+class CallScanner:
+    """Reads call objects out of JSON text as the model writes it: objects one after another
+    (with anything between them outside brackets ignored, e.g. hermes' tags or llama3's `;`),
+    or the items of a list when the first bracket is `[`. Each feed reads only the new text.
+    Inside a call object, values are found by brackets and quotes alone; json.loads judges
+    them once whole."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[CallObject] = []
+        self._depth = 0  # brackets open outside strings
+        self._level: int | None = None  # the depth of a call object's own keys: 1, or 2 in a list
+        self._string: int | None = None  # where the string being read began
+        self._escaped = False
+        self._key: str | None = None  # read, its value not begun
+        self._key_start: int | None = None
+        self._value: _Value | None = None  # a call object's value being read
+        self._bare = False  # that value is a number, true, false or null
+
+    def feed(self, text: str) -> list[CallObject]:
+        """The calls in `text`, the whole text so far (what was fed before, and more)."""
+        start, self.text = len(self.text), text
+        for at in range(start, len(text)):
+            self._read(at, text[at])
+        return self.calls
+
+    def _read(self, at: int, char: str) -> None:
+        if self._string is not None:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self._string = None
+                if self._depth == self._level:
+                    self._string_ended(at + 1)
+            return
+        if self._level is None:
+            if char not in "[{":
+                return
+            self._level = 2 if char == "[" else 1
+        own = self._depth == self._level and bool(self.calls) and not self.calls[-1].closed
+        if own and self._bare and (char in ",}" or char.isspace()):
+            self._end_value(at)
+        if char in '"{[' and own and self._key is not None and self._value is None:
+            self._value = self.calls[-1].values[self._key] = _Value(at)
+            self._key, self._bare = None, False
+        if char == '"':
+            if self._depth > 0:
+                self._string = at
+                if own and self._value is None:
+                    self._key_start = at
+        elif char in "{[":
+            if char == "{" and self._depth == self._level - 1:
+                self.calls.append(CallObject())
+                self._key = self._value = None
+            self._depth += 1
+        elif char in "}]":
+            self._depth = max(self._depth - 1, 0)
+            if self._depth == self._level and self._value is not None:
+                self._end_value(at + 1)
+            elif self._depth == self._level - 1 and char == "}" and self.calls:
+                self.calls[-1].closed = True
+        elif own and self._key is not None and self._value is None and char not in ": \t\r\n":
+            self._value = self.calls[-1].values[self._key] = _Value(at)
+            self._key, self._bare = None, True
+
+    def _string_ended(self, end: int) -> None:
+        if self._value is not None:
+            self._end_value(end)
+        elif self._key_start is not None:
+            self._key, self._key_start = _loads(self.text[self._key_start : end]), None
+
+    def _end_value(self, end: int) -> None:
+        assert self._value is not None
+        self._value.end, self._value, self._bare = end, None, False
+
+
+def scan_calls(
+    text: str, keys: tuple[str, ...], partial: bool, new_id: Callable[[], str] = new_call_id
+) -> list[ToolCall] | None:
+    """The calls in text (the JSON after a parser's marker, or "required"'s list), or None when
+    it holds none or one that is not a call: a name, and arguments that are a JSON object.
+    `partial`: the model was cut short (max_tokens), so the calls are taken as far as they go."""
+    calls = []
+    for call in CallScanner().feed(text):
+        name, arguments = call.name(text), call.arguments(text, keys, final=True)
+        if name is None or arguments is None:
+            if partial:
+                break
+            return None
+        if not partial and not (call.closed and _is_object(arguments)):
+            return None
+        calls.append(ToolCall(name, arguments, new_id()))
+    return calls or None
+
+
+def _is_object(text: str) -> bool:
+    return isinstance(_loads(text), dict)
+
+
+def _loads(text: str) -> Any:
+    """The JSON value of text, or None when it is not one."""
     try:
-        return [ToolCall(item["name"], json.dumps(item["parameters"])) for item in json.loads(text)]
-    except (ValueError, KeyError, TypeError):
+        return json.loads(text)
+    except ValueError:  # json.JSONDecodeError is one
         return None
+
+
+class CallStream:
+    """One choice's calls, streamed as the model writes them: a call's first delta carries its
+    id, type and name once the name is whole; the next ones carry its arguments' new text.
+    Calls are sent in order, each once its name is known."""
+
+    def __init__(self, keys: tuple[str, ...], new_id: Callable[[], str] = new_call_id):
+        self.keys, self.new_id = keys, new_id
+        self.scanner = CallScanner()
+        self.sent: list[tuple[str, int]] = []  # each call's id, and its arguments' text sent
+
+    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """The tool_calls deltas that text, the calls' JSON so far, adds to what was sent."""
+        pieces = []
+        for index, call in enumerate(self.scanner.feed(text)):
+            name = call.name(text)
+            arguments = call.arguments(text, self.keys, final) if name is not None else None
+            if arguments is None:
+                break
+            if index == len(self.sent):
+                self.sent.append((self.new_id(), len(arguments)))
+                pieces.append(ToolCall(name, arguments, self.sent[index][0]).as_dict(index))
+            elif len(arguments) > self.sent[index][1]:
+                call_id, sent = self.sent[index]
+                self.sent[index] = (call_id, len(arguments))
+                pieces.append({"index": index, "function": {"arguments": arguments[sent:]}})
+        return pieces
 
 
 class ToolCallParser:
     """Reads the calls a model wrote in its own format (tool_choice "auto")."""
 
     marker = ""  # text that begins a call; content before it is streamed
+    keys = ("arguments",)  # the key of a call's arguments, in the order looked for
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def calls_start(self, text: str) -> tuple[int, int] | None:
+        """Where the content ends and the calls' JSON begins, once the text shows a call."""
+        start = text.find(self.marker)
+        return None if start < 0 else (start, start + len(self.marker))
+
+    def new_id(self) -> str:
+        return new_call_id()
+
+    def parse(self, text: str, partial: bool = False) -> tuple[str | None, list[ToolCall]]:
         """(content, calls); no calls and the whole text as content when none parse."""
-        raise NotImplementedError
+        start = self.calls_start(text)
+        if start is None:
+            return text, []
+        calls = scan_calls(text[start[1] :], self.keys, partial, self.new_id)
+        return (text, []) if calls is None else (text[: start[0]] or None, calls)
 
     def held_from(self, text: str, at_start: bool = True) -> int:
         """Where text, the output not yet streamed (all of it when at_start), may begin a call:
@@ -96,37 +281,10 @@ class ToolCallParser:
         return len(text)
 
 
-def _call(item: Any, arguments_key: str) -> ToolCall:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        raise ValueError("not a call")
-    arguments = item.get(arguments_key, item.get("arguments", {}))
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments)
-    if not isinstance(arguments, dict):
-        raise ValueError("arguments are not an object")
-    return ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _content(text: str) -> str | None:
-    """The text before the calls, as it streams (whitespace kept), or None when there is none."""
-    return text or None
-
-
 class HermesParser(ToolCallParser):
     """Hermes, Qwen 2.5/3 and most fine-tunes: `<tool_call>{"name", "arguments"}</tool_call>`."""
 
     marker = "<tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        start = text.find(self.marker)
-        if start < 0:
-            return text, []
-        try:
-            calls = [_call(json.loads(body), "arguments") for body in self._CALL.findall(text)]
-        except ValueError:  # json.JSONDecodeError is one
-            return text, []
-        return _content(text[:start]), calls
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -134,28 +292,20 @@ class Llama3JsonParser(ToolCallParser):
     `;`, optionally after `<|python_tag|>`; the whole output is the calls."""
 
     marker = "{"
+    keys = ("parameters", "arguments")
+    _TAG = "<|python_tag|>"
+
+    def calls_start(self, text: str) -> tuple[int, int] | None:
+        body = text.lstrip().removeprefix(self._TAG).lstrip()
+        return (0, 0) if body.startswith("{") else None
 
     def held_from(self, text: str, at_start: bool = True) -> int:
         if not at_start:
             return len(text)  # a call is the whole output or none of it
         stripped = text.lstrip()
-        if stripped.startswith(("{", "<|python_tag|>")) or "<|python_tag|>".startswith(stripped):
+        if stripped.startswith(("{", self._TAG)) or self._TAG.startswith(stripped):
             return 0
         return len(text)
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not body.startswith("{"):
-            return text, []
-        decoder, calls, at = json.JSONDecoder(), [], 0
-        try:
-            while at < len(body):
-                item, at = decoder.raw_decode(body, at)
-                calls.append(_call(item, "parameters"))
-                at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
-        except ValueError:
-            return text, []
-        return None, calls
 
 
 class MistralParser(ToolCallParser):
@@ -164,21 +314,8 @@ class MistralParser(ToolCallParser):
 
     marker = "[TOOL_CALLS]"
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        start = text.find(self.marker)
-        if start < 0:
-            return text, []
-        try:
-            items = json.loads(text[start + len(self.marker) :].strip())
-            items = items if isinstance(items, list) else [items]
-            calls = [_call(item, "arguments") for item in items]
-        except ValueError:
-            return text, []
-        for call in calls:
-            call.id = "".join(
-                secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in "123456789"
-            )
-        return _content(text[:start]), calls
+    def new_id(self) -> str:
+        return "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(9))
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {
