@@ -87,6 +87,24 @@ def test_packing_a_map_in_pieces_gives_the_panels_of_the_whole(types):
         assert torch.equal(gguf_blocks.pack(name, parts, rows=64), whole), name
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_k_quants_packed_straight_from_the_file_give_the_decoded_panels(type_name):
+    """Q4_K and Q6_K maps are packed from the file's bytes by one C++ pass: the same panels as
+    the blocks decoded into integers first, for a ragged last panel, a fused map of one type,
+    and blocks of arbitrary bits (every 6-bit scale and high bit)."""
+    assert cpu_kernels_available()
+    name = {"Q4_K": "q4_k", "Q6_K": "q6_k"}[type_name]
+    ragged = _part(type_name, 37, 512, seed=3)
+    fused = [_part(type_name, 64, 512, seed=4), _part(type_name, 200, 512, seed=5)]
+    block_bytes = {"Q4_K": 144, "Q6_K": 210}[type_name]
+    noise = np.random.default_rng(6).integers(0, 256, (50, 2, block_bytes), dtype=np.uint8)
+    small_d = np.float16(0.01) * np.ones((50, 2), np.float16)
+    for at in (0, 2) if type_name == "Q4_K" else (208,):
+        noise[..., at : at + 2] = small_d.view(np.uint8).reshape(50, 2, 2)
+    for parts in ([ragged], fused, [GGUFPart(type_name, noise.reshape(50, -1))]):
+        assert torch.equal(gguf_blocks.pack(name, parts), gguf_blocks._pack(name, parts))
+
+
 def test_a_format_refuses_parts_it_does_not_hold():
     with pytest.raises(ValueError, match="q4_k does not hold GGUF Q6_K"):
         gguf_blocks.pack("q4_k", [_part("Q4_K", 32, 256, 0), _part("Q6_K", 32, 256, 1)])

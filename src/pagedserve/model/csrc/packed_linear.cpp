@@ -25,6 +25,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -850,6 +851,110 @@ at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Te
   check_format_inputs<Q6_K>("pack_q6_k", values, 63);
   check_super_block_header<Q6_K>("pack_q6_k", values, d, dmin, sc, m, at::kChar, at::kChar);
   return pack_blocks({d, dmin, sc, m}, six_bit_rows(values));
+}
+
+// One GGUF super-block as the packed formats hold it: d and dmin as float16 bits, each
+// group's sc and m, and the 256 values.
+struct SuperBlock {
+  uint16_t d, dmin;
+  int8_t sc[16], m[16];
+  uint8_t values[256];
+};
+
+// GGUF's Q4_K block (144 bytes): d, dmin, 12 bytes of 6-bit sc and m for 8 groups of 32, then
+// 128 bytes: chunk c's 32 bytes hold inputs 64c to 64c + 31 in their low halves, 64c + 32 to
+// 64c + 63 in their high halves.
+void read_q4_k(const uint8_t* raw, SuperBlock& block) {
+  std::memcpy(&block.d, raw, 2);
+  std::memcpy(&block.dmin, raw + 2, 2);
+  const uint8_t* scales = raw + 4;
+  for (int64_t g = 0; g < 4; ++g) {
+    block.sc[g] = scales[g] & 63;
+    block.m[g] = scales[g + 4] & 63;
+    block.sc[g + 4] = (scales[g + 8] & 15) | ((scales[g] >> 6) << 4);
+    block.m[g + 4] = (scales[g + 8] >> 4) | ((scales[g + 4] >> 6) << 4);
+  }
+  const uint8_t* qs = raw + 16;
+  for (int64_t c = 0; c < 4; ++c) {
+    for (int64_t i = 0; i < 32; ++i) {
+      block.values[64 * c + i] = qs[32 * c + i] & 15;
+      block.values[64 * c + 32 + i] = qs[32 * c + i] >> 4;
+    }
+  }
+}
+
+// GGUF's Q6_K block (210 bytes): 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one
+// per group of 16), d. Held as pack_q6_k takes it: d * sc * (q - 32) with dmin = 32 * d, m = sc.
+void read_q6_k(const uint8_t* raw, SuperBlock& block) {
+  const uint8_t *ql = raw, *qh = raw + 128;
+  std::memcpy(block.sc, raw + 192, 16);
+  std::memcpy(block.m, raw + 192, 16);
+  std::memcpy(&block.d, raw + 208, 2);
+  const float dmin = 32.0f * static_cast<float>(c10::Half(block.d, c10::Half::from_bits()));
+  const c10::Half dmin_half(dmin);
+  TORCH_CHECK(std::isfinite(static_cast<float>(dmin_half)),
+              "a GGUF scale is too large to hold as q6_k's minimum");
+  block.dmin = dmin_half.x;
+  for (int64_t half = 0; half < 2; ++half) {
+    for (int64_t quarter = 0; quarter < 4; ++quarter) {
+      for (int64_t i = 0; i < 32; ++i) {
+        const int64_t low = ql[64 * half + 32 * (quarter % 2) + i] >> (4 * (quarter / 2)) & 15;
+        const int64_t high = qh[32 * half + i] >> (2 * quarter) & 3;
+        block.values[128 * half + 32 * quarter + i] = static_cast<uint8_t>(low | high << 4);
+      }
+    }
+  }
+}
+
+// The panels that pack_q4_k or pack_q6_k make of a GGUF file's Q4_K or Q6_K rows ([out][in /
+// 256 * block bytes] uint8, as the file stores them), written from the blocks in one pass, the
+// panels' blocks shared between threads, with no integer arrays in between.
+template <typename Format>
+at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_t gguf_bytes,
+                                  void (*read)(const uint8_t*, SuperBlock&)) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
+                  rows.size(1) % gguf_bytes == 0,
+              op, ": rows must be contiguous uint8 [out, blocks * ", gguf_bytes, "], got ",
+              rows.sizes(), " ", rows.scalar_type());
+  constexpr int64_t groups = Format::kGroupsPerBlock, header = Format::kHeaderBytes;
+  const int64_t out = rows.size(0), num_blocks = rows.size(1) / gguf_bytes;
+  const int64_t num_panels = (out + kPanel - 1) / kPanel;
+  at::Tensor packed = at::zeros({num_panels, num_blocks, kBlockBytes<Format>}, at::kByte);
+  const uint8_t* source = rows.data_ptr<uint8_t>();
+  uint8_t* target = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, num_panels * num_blocks, 1, [&](int64_t begin, int64_t end) {
+    SuperBlock block;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t panel = item / num_blocks, b = item % num_blocks;
+      uint8_t* to = target + item * kBlockBytes<Format>;
+      for (int64_t f = 0; f < kPanel && panel * kPanel + f < out; ++f) {
+        read(source + (panel * kPanel + f) * rows.size(1) + b * gguf_bytes, block);
+        std::memcpy(to + 2 * f, &block.d, 2);
+        std::memcpy(to + 2 * (kPanel + f), &block.dmin, 2);
+        for (int64_t g = 0; g < groups; ++g) {
+          to[4 * kPanel + g * kPanel + f] = static_cast<uint8_t>(block.sc[g]);
+          to[4 * kPanel + (groups + g) * kPanel + f] = static_cast<uint8_t>(block.m[g]);
+        }
+        const int64_t shift = f < kPanel / 2 ? 0 : 4;
+        for (int64_t k = 0; k < 256; ++k) {
+          uint8_t* row = to + header + k * Format::kRowBytes;
+          const uint8_t value = block.values[k];
+          row[f % (kPanel / 2)] |= (value & 15) << shift;
+          if constexpr (std::is_same_v<Format, Q6_K>) {
+            row[kPanel / 2 + f / 4] |= (value >> 4) << (2 * (f % 4));
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor pack_q4_k_blocks(const at::Tensor& rows) {
+  return pack_gguf_super_blocks<Q4_K>("pack_q4_k_blocks", rows, 144, read_q4_k);
+}
+at::Tensor pack_q6_k_blocks(const at::Tensor& rows) {
+  return pack_gguf_super_blocks<Q6_K>("pack_q6_k_blocks", rows, 210, read_q6_k);
 }
 
 int64_t packed_in_features(const at::Tensor& packed_weight) {
