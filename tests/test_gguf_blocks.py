@@ -87,15 +87,18 @@ def test_packing_a_map_in_pieces_gives_the_panels_of_the_whole(types):
         assert torch.equal(gguf_blocks.pack(name, parts, rows=64), whole), name
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
-def test_k_quants_packed_straight_from_the_file_give_the_decoded_panels(type_name):
+@pytest.mark.parametrize(
+    ("type_name", "name"), [("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q4_K", "q6_k")]
+)
+def test_k_quants_packed_straight_from_the_file_give_the_decoded_panels(type_name, name):
     """Q4_K and Q6_K maps are packed from the file's bytes by one C++ pass: the same panels as
-    the blocks decoded into integers first, for a ragged last panel, a fused map of one type,
-    and blocks of arbitrary bits (every 6-bit scale and high bit)."""
+    the blocks decoded into integers first, for a ragged last panel, a fused map (Q4_K beside
+    Q6_K too), and blocks of arbitrary bits (every 6-bit scale and high bit)."""
     assert cpu_kernels_available()
-    name = {"Q4_K": "q4_k", "Q6_K": "q6_k"}[type_name]
     ragged = _part(type_name, 37, 512, seed=3)
-    fused = [_part(type_name, 64, 512, seed=4), _part(type_name, 200, 512, seed=5)]
+    last = "Q6_K" if name == "q6_k" else type_name
+    fused = [_part(type_name, 64, 512, seed=4), _part(type_name, 128, 512, seed=5)]
+    fused.append(_part(last, 40, 512, seed=7))
     block_bytes = {"Q4_K": 144, "Q6_K": 210}[type_name]
     noise = np.random.default_rng(6).integers(0, 256, (50, 2, block_bytes), dtype=np.uint8)
     small_d = np.float16(0.01) * np.ones((50, 2), np.float16)
@@ -103,6 +106,8 @@ def test_k_quants_packed_straight_from_the_file_give_the_decoded_panels(type_nam
         noise[..., at : at + 2] = small_d.view(np.uint8).reshape(50, 2, 2)
     for parts in ([ragged], fused, [GGUFPart(type_name, noise.reshape(50, -1))]):
         assert torch.equal(gguf_blocks.pack(name, parts), gguf_blocks._pack(name, parts))
+    with pytest.raises(RuntimeError, match="no packing of GGUF Q6_K blocks as q4_k"):
+        torch.ops.pagedserve.pack_k_quant_blocks(torch.from_numpy(noise[0]), "Q6_K", "q4_k")
 
 
 def test_a_format_refuses_parts_it_does_not_hold():

@@ -202,8 +202,8 @@ def pack(format_name: str, parts: Sequence[GGUFPart], rows: int = PACK_ROWS) -> 
         )
     if any(len(part.rows) % _PANEL_ROWS for part in parts[:-1]):
         return _pack(format_name, parts)
-    if all(_NATIVE.get(part.type) == format_name for part in parts):
-        packed = [_pack_native(format_name, part) for part in parts]
+    if all((part.type, format_name) in _STRAIGHT for part in parts):
+        packed = [_pack_straight(format_name, part) for part in parts]
         return packed[0] if len(packed) == 1 else torch.cat(packed)
     pieces = [
         GGUFPart(part.type, part.rows[start : start + rows])
@@ -215,17 +215,18 @@ def pack(format_name: str, parts: Sequence[GGUFPart], rows: int = PACK_ROWS) -> 
     return torch.cat([_pack(format_name, [piece]) for piece in pieces])
 
 
-# Types packed straight from the file's blocks by a C++ op of their own (pack_<format>_blocks),
-# with no integers decoded in numpy: the K-quants that make up most of a K-quant file's bytes.
-_NATIVE = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
+# (GGUF type, format) packed straight from the file's blocks by one C++ pass
+# (pack_k_quant_blocks), with no integers decoded in numpy: the K-quants that make up most of a
+# K-quant file's bytes, and its Q4_K queries and keys beside Q6_K values.
+_STRAIGHT = {("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q4_K", "q6_k")}
 
 
-def _pack_native(format_name: str, part: GGUFPart) -> torch.Tensor:
+def _pack_straight(format_name: str, part: GGUFPart) -> torch.Tensor:
     rows = np.ascontiguousarray(part.rows)
     with warnings.catch_warnings():  # the map is read-only; the op only reads it
         warnings.simplefilter("ignore", UserWarning)
         tensor = torch.from_numpy(rows)
-    return getattr(torch.ops.pagedserve, f"pack_{format_name}_blocks")(tensor)
+    return torch.ops.pagedserve.pack_k_quant_blocks(tensor, part.type, format_name)
 
 
 def _pack(format_name: str, parts: Sequence[GGUFPart]) -> torch.Tensor:

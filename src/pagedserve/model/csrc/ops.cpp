@@ -25,8 +25,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("pack_q4_k(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
   m.def("pack_q5_k(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
   m.def("pack_q6_k(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
-  m.def("pack_q4_k_blocks(Tensor rows) -> Tensor");
-  m.def("pack_q6_k_blocks(Tensor rows) -> Tensor");
+  m.def("pack_k_quant_blocks(Tensor rows, str type, str format) -> Tensor");
   m.def(
       "packed_linear(Tensor input, Tensor packed_weight, int out_features, Tensor? bias, "
       "Tensor? scale=None) -> Tensor");
@@ -58,8 +57,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("pack_q4_k", &pagedserve::pack_q4_k);
   m.impl("pack_q5_k", &pagedserve::pack_q5_k);
   m.impl("pack_q6_k", &pagedserve::pack_q6_k);
-  m.impl("pack_q4_k_blocks", &pagedserve::pack_q4_k_blocks);
-  m.impl("pack_q6_k_blocks", &pagedserve::pack_q6_k_blocks);
+  m.impl("pack_k_quant_blocks", &pagedserve::pack_k_quant_blocks);
   m.impl("packed_linear", &pagedserve::packed_linear);
   m.impl("rms_norm", &pagedserve::rms_norm);
   m.impl("add_rms_norm_", &pagedserve::add_rms_norm_);

@@ -950,11 +950,26 @@ at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_
   return packed;
 }
 
-at::Tensor pack_q4_k_blocks(const at::Tensor& rows) {
-  return pack_gguf_super_blocks<Q4_K>("pack_q4_k_blocks", rows, 144, read_q4_k);
+// Q4_K's groups of 32 as q6_k's groups of 16: each group's sc and m twice.
+void read_q4_k_as_16_groups(const uint8_t* raw, SuperBlock& block) {
+  read_q4_k(raw, block);
+  for (int64_t g = 15; g >= 0; --g) block.sc[g] = block.sc[g / 2], block.m[g] = block.m[g / 2];
 }
-at::Tensor pack_q6_k_blocks(const at::Tensor& rows) {
-  return pack_gguf_super_blocks<Q6_K>("pack_q6_k_blocks", rows, 210, read_q6_k);
+
+// format "q4_k" of type "Q4_K"; format "q6_k" of type "Q6_K" or "Q4_K" (a fused map's Q4_K parts
+// beside a Q6_K one).
+at::Tensor pack_k_quant_blocks(const at::Tensor& rows, c10::string_view type,
+                               c10::string_view format) {
+  if (format == "q4_k" && type == "Q4_K") {
+    return pack_gguf_super_blocks<Q4_K>("pack_k_quant_blocks", rows, 144, read_q4_k);
+  }
+  if (format == "q6_k" && type == "Q6_K") {
+    return pack_gguf_super_blocks<Q6_K>("pack_k_quant_blocks", rows, 210, read_q6_k);
+  }
+  if (format == "q6_k" && type == "Q4_K") {
+    return pack_gguf_super_blocks<Q6_K>("pack_k_quant_blocks", rows, 144, read_q4_k_as_16_groups);
+  }
+  TORCH_CHECK(false, "pack_k_quant_blocks: no packing of GGUF ", type, " blocks as ", format);
 }
 
 int64_t packed_in_features(const at::Tensor& packed_weight) {
