@@ -116,3 +116,20 @@ def requantized_default_gguf(path: Path, type_of: Callable[[str, str], str]) -> 
 
     rewrite_gguf(default_gguf_path(), path, requantized)
     return path
+
+
+def mixed_type(name: str, stored: str) -> str:
+    """Every block type somewhere in the default model: layer i's maps by i % 3 (its down
+    projection's 1536 inputs are whole super-blocks of 256, the others' 576 are not)."""
+    if not name.startswith("blk.") or stored == "F32":
+        return stored
+    layer, kind = int(name.split(".")[1]), name.split(".")[2]
+    mixes = (
+        {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q5_1", "attn_output": "Q5_0",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_K"},
+        {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q8_0",
+         "ffn_gate": "Q5_1", "ffn_up": "Q5_0", "ffn_down": "Q6_K"},
+        {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q4_0",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_K"},
+    )  # fmt: skip
+    return mixes[layer % 3][kind]

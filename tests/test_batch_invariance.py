@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import ServerProcess
+from gguf_quantize import mixed_type, requantized_default_gguf
 
 from pagedserve import LLM, SamplingParams
 
@@ -51,6 +52,20 @@ def _in_batch(llm: LLM, params: SamplingParams, size: int, place: int):
     return llm.generate(prompts, all_params)[place].outputs[0]
 
 
+def _assert_invariant(llm: LLM) -> None:
+    """The target, greedy and seeded, alone, in every batch of BATCHES (preempting) and with
+    two siblings, gives the same tokens and logprobs bit for bit."""
+    for params in (GREEDY, SEEDED):
+        alone = _signature(llm.generate([TARGET], params)[0].outputs[0])
+        assert len(alone[0]) == 24
+        preempted_before = llm.engine.scheduler.num_preemptions
+        for size, place in BATCHES:
+            assert _signature(_in_batch(llm, params, size, place)) == alone, (size, place)
+        assert llm.engine.scheduler.num_preemptions > preempted_before
+        siblings = llm.generate([TARGET], params.model_copy(update={"n": 3}))[0]
+        assert _signature(siblings.outputs[0]) == alone
+
+
 @pytest.mark.parametrize("packed", FORMATS)
 @pytest.mark.parametrize(("chunked", "prefix"), ENGINES, ids=["chunked", "whole", "no-prefix"])
 def test_a_request_is_bit_identical_whatever_shares_its_batch(
@@ -65,15 +80,7 @@ def test_a_request_is_bit_identical_whatever_shares_its_batch(
         enable_prefix_caching=prefix,
         num_kv_blocks=20,
     )
-    for params in (GREEDY, SEEDED):
-        alone = _signature(llm.generate([TARGET], params)[0].outputs[0])
-        assert len(alone[0]) == 24
-        preempted_before = llm.engine.scheduler.num_preemptions
-        for size, place in BATCHES:
-            assert _signature(_in_batch(llm, params, size, place)) == alone, (size, place)
-        assert llm.engine.scheduler.num_preemptions > preempted_before
-        siblings = llm.generate([TARGET], params.model_copy(update={"n": 3}))[0]
-        assert _signature(siblings.outputs[0]) == alone
+    _assert_invariant(llm)
 
 
 @pytest.mark.parametrize("architecture", ["qwen3-moe", "gemma3"])
@@ -90,6 +97,16 @@ def test_experts_and_per_layer_windows_keep_a_request_bit_identical(tiny_checkpo
         for size, place in BATCHES:
             assert _signature(_in_batch(llm, params, size, place)) == alone, (size, place)
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_every_gguf_block_type_keeps_a_request_bit_identical(monkeypatch, tmp_path):
+    """The K-quant and legacy block formats, packed from a GGUF file's own blocks, as a user
+    gets them from such a file with every engine default but a small prefill budget."""
+    path = requantized_default_gguf(tmp_path / "SmolLM2-135M-Instruct.mixed.gguf", mixed_type)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # its metadata, gone after
+    llm = LLM(str(path), max_num_batched_tokens=32, num_kv_blocks=20)
+    assert llm.engine.runner.packed_weight_dtypes == ("q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0", "q8_0")
+    _assert_invariant(llm)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import reference_greedy
-from gguf_quantize import quantize, requantized_default_gguf
+from gguf_quantize import mixed_type, quantize, requantized_default_gguf
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
@@ -139,25 +139,8 @@ def test_auto_packs_each_map_in_the_smallest_format_that_holds_its_parts(
     assert all(PACKED_FORMATS[expected].bytes_per_weight <= m.bytes_per_weight for m in holders)
 
 
-def _mixed_type(name: str, stored: str) -> str:
-    """Every block type somewhere in the default model: layer i's maps by i % 3 (its down
-    projection's 1536 inputs are whole super-blocks of 256, the others' 576 are not)."""
-    if not name.startswith("blk.") or stored == "F32":
-        return stored
-    layer, kind = int(name.split(".")[1]), name.split(".")[2]
-    mixes = (
-        {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q5_1", "attn_output": "Q5_0",
-         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_K"},
-        {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q8_0",
-         "ffn_gate": "Q5_1", "ffn_up": "Q5_0", "ffn_down": "Q6_K"},
-        {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q4_0",
-         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_K"},
-    )  # fmt: skip
-    return mixes[layer % 3][kind]
-
-
 def test_a_gguf_mixing_every_type_generates_as_transformers_reads_it(monkeypatch, tmp_path):
-    path = requantized_default_gguf(tmp_path / "SmolLM2-135M-Instruct.mixed.gguf", _mixed_type)
+    path = requantized_default_gguf(tmp_path / "SmolLM2-135M-Instruct.mixed.gguf", mixed_type)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # its metadata, gone after
     llm = LLM(str(path), dtype="float32")
     runner = llm.engine.runner
