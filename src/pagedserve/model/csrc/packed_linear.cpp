@@ -162,6 +162,41 @@ struct Nibbles {
 #endif
   }
 };
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+// For each byte, 8 lanes holding 16 where the byte's bit of that lane is set: AVX2 has no mask
+// registers, and one load from this 8 KiB table (kept in L1 by the loop that reads it) replaces a
+// broadcast, a test and a select a vector.
+struct FifthBitTable {
+  alignas(32) int32_t lanes[256][8];
+  constexpr FifthBitTable() : lanes() {
+    for (int byte = 0; byte < 256; ++byte) {
+      for (int lane = 0; lane < 8; ++lane) lanes[byte][lane] = (byte >> lane & 1) << 4;
+    }
+  }
+  __m256i of(uint8_t byte) const {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[byte]));
+  }
+};
+inline constexpr FifthBitTable kFifthBits{};
+// The same for two bits a feature: for each byte, 4 lanes holding its pairs of bits times 16
+// (4 KiB); a vector's 8 lanes from two bytes.
+struct TopBitPairTable {
+  alignas(16) int32_t lanes[256][4];
+  constexpr TopBitPairTable() : lanes() {
+    for (int byte = 0; byte < 256; ++byte) {
+      for (int lane = 0; lane < 4; ++lane) lanes[byte][lane] = (byte >> 2 * lane & 3) << 4;
+    }
+  }
+  __m256i of(const uint8_t* bytes) const {
+    const auto half = [this](uint8_t byte) {
+      return reinterpret_cast<const __m128i*>(lanes[byte]);
+    };
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_load_si128(half(bytes[0]))),
+                                   _mm_load_si128(half(bytes[1])), 1);
+  }
+};
+inline constexpr TopBitPairTable kTopBitPairs{};
+#endif
 struct FiveBits {
   static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 8;
   static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
@@ -176,13 +211,8 @@ struct FiveBits {
     return {to_float(low), to_float(high)};
 #elif defined(CPU_CAPABILITY_AVX2)
     auto [low, high] = nibbles_of(row);
-    const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const auto fifth_bits = [&](uint8_t byte) {
-      const __m256i set = _mm256_and_si256(_mm256_set1_epi32(byte), lanes);
-      return _mm256_and_si256(_mm256_cmpeq_epi32(set, lanes), _mm256_set1_epi32(16));
-    };
-    return {to_float(_mm256_or_si256(low, fifth_bits(bits[0]))),
-            to_float(_mm256_or_si256(high, fifth_bits(bits[1])))};
+    return {to_float(_mm256_or_si256(low, kFifthBits.of(bits[0]))),
+            to_float(_mm256_or_si256(high, kFifthBits.of(bits[1])))};
 #else
     float low[Vec::size()], high[Vec::size()];
     for (int64_t i = 0; i < Vec::size(); ++i) {
@@ -212,15 +242,8 @@ struct SixBits {
             to_float(_mm512_or_si512(high, top_bits(words[1])))};
 #elif defined(CPU_CAPABILITY_AVX2)
     auto [low, high] = nibbles_of(row);
-    uint32_t word;
-    std::memcpy(&word, pairs, sizeof(word));
-    const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    const auto top_bits = [&](uint32_t bits) {
-      const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), shifts);
-      return _mm256_slli_epi32(_mm256_and_si256(shifted, _mm256_set1_epi32(3)), 4);
-    };
-    return {to_float(_mm256_or_si256(low, top_bits(word))),
-            to_float(_mm256_or_si256(high, top_bits(word >> 16)))};
+    return {to_float(_mm256_or_si256(low, kTopBitPairs.of(pairs))),
+            to_float(_mm256_or_si256(high, kTopBitPairs.of(pairs + 2)))};
 #else
     float low[Vec::size()], high[Vec::size()];
     for (int64_t i = 0; i < Vec::size(); ++i) {
