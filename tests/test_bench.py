@@ -524,6 +524,8 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     (tmp_path / "bench" / "a-gpu").mkdir()
     gpu_section = "## GPU: A\n\nIts [log](gpu_check.log); see [vLLM](https://docs.vllm.ai).\n"
     (tmp_path / "bench" / "a-gpu" / "GPU.md").write_text(gpu_section)
+    ab_section = "## Requests without constraints on other-cpu-avx2\n\n| round |\n"
+    (tmp_path / "bench" / "other-cpu-avx2" / "AB-constraints.md").write_text(ab_section)
     main(["report", "--render-only", "--plots-dir", str(tmp_path / "bench"),
           "--output", str(tmp_path / "BENCHMARKS.md")])  # fmt: skip
     both = (tmp_path / "BENCHMARKS.md").read_text()
@@ -534,6 +536,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert both.count("GGUF K-quants on ") == 1 and "| ours on a.Q4_K_M.gguf | " in both
     assert both.count("Structured outputs on ") == 2
     assert both.count("Chat content read as text on ") == 2
+    assert both.count(ab_section) == 1 and both.index(ab_section) < both.index(gpu_section[:9])
     chat = host.details.chat_tokenizing
     assert chat.messages == 20 and 3900 < chat.tokens < 4400 and chat.text_cost > 0
     # A GPU's hand-written section comes last, its relative links made relative to the output.

@@ -307,8 +307,9 @@ def _environment() -> jinja2.Environment:
 def write_benchmarks(results_dir: Path, output: Path) -> Path:
     """BENCHMARKS.md from every kind's results.json under results_dir, newest first, then the
     sections written whole by other runs: each kind's real-size loading (<kind>/LOAD.md, from
-    `pagedserve bench load`) and each GPU's (<kind>/GPU.md, from scripts/gpu_check.sh's
-    output), their links made relative to output."""
+    `pagedserve bench load`), each GPU's (<kind>/GPU.md, from scripts/gpu_check.sh's
+    output) and each before-and-after comparison (<kind>/AB-<name>.md, from
+    scripts/ab_throughput.py), their links made relative to output."""
     hosts = [
         HostResults.model_validate_json(path.read_text())
         for path in sorted(results_dir.glob("*/results.json"))
@@ -317,7 +318,7 @@ def write_benchmarks(results_dir: Path, output: Path) -> Path:
     link = Path(os.path.relpath(results_dir.resolve(), output.parent.resolve())).as_posix()
     sections = [
         re.sub(r"\]\((?![a-z]+:)([^)]+)\)", rf"]({link}/{path.parent.name}/\1)", path.read_text())
-        for pattern in ("*/LOAD.md", "*/GPU.md")
+        for pattern in ("*/LOAD.md", "*/AB-*.md", "*/GPU.md")
         for path in sorted(results_dir.glob(pattern))
     ]
     template = _environment().get_template("benchmarks.md.j2")
