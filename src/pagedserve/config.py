@@ -28,6 +28,10 @@ PACKED_WEIGHT_DTYPES = (
     "q5_k",
     "q6_k",
 )
+# auto: shm on x86-64 (its stores are seen in order, which the shared-memory all-reduce relies
+# on), else gloo.
+DISTRIBUTED_BACKENDS = ("auto", "shm", "gloo")
+CPU_BINDINGS = ("auto", "none")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -71,35 +75,38 @@ class EngineConfig:
     # CUDA: decode steps run op by op instead of being replayed from captured CUDA graphs.
     enforce_eager: bool = False
     seed: int = 0
+    # Processes the model is cut across (engine/tensor_parallel.py, model/parallel.py), joined
+    # through shared memory ("shm") or torch.distributed's gloo; on CPU each computes on its own
+    # share of the cores (cpu_binding "auto") or all share them ("none").
+    tensor_parallel_size: int = 1
+    distributed_backend: str = "auto"
+    cpu_binding: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be an integer of at least 1, "
+                f"got {self.tensor_parallel_size!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.scheduler not in SCHEDULER_POLICIES:
-            raise ValueError(
-                f"scheduler must be one of {SCHEDULER_POLICIES}, got {self.scheduler!r}"
-            )
-        if self.chat_content_tokens not in CHAT_CONTENT_MODES:
-            raise ValueError(
-                f"chat_content_tokens must be one of {CHAT_CONTENT_MODES}, "
-                f"got {self.chat_content_tokens!r}"
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
-        if self.packed_weight_dtype not in PACKED_WEIGHT_DTYPES:
-            raise ValueError(
-                f"packed_weight_dtype must be one of {PACKED_WEIGHT_DTYPES}, "
-                f"got {self.packed_weight_dtype!r}"
-            )
+        choices = {
+            "scheduler": SCHEDULER_POLICIES,
+            "chat_content_tokens": CHAT_CONTENT_MODES,
+            "dtype": DTYPES,
+            "kv_cache_dtype": KV_CACHE_DTYPES,
+            "packed_weight_dtype": PACKED_WEIGHT_DTYPES,
+            "distributed_backend": DISTRIBUTED_BACKENDS,
+            "cpu_binding": CPU_BINDINGS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "cpu_kernels",
                      "decode_kernel", "batch_invariant", "enforce_eager"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):

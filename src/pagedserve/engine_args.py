@@ -7,6 +7,8 @@ from dataclasses import fields
 
 from pagedserve.config import (
     CHAT_CONTENT_MODES,
+    CPU_BINDINGS,
+    DISTRIBUTED_BACKENDS,
     DTYPES,
     KV_CACHE_DTYPES,
     PACKED_WEIGHT_DTYPES,
@@ -93,6 +95,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="CUDA: run decode steps op by op instead of replaying captured CUDA graphs",
     )
     group.add_argument("--seed", type=int, default=defaults["seed"])
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=defaults["tensor_parallel_size"],
+        help="processes the model's heads and MLP are cut across (CPU, gloo)",
+    )
+    group.add_argument(
+        "--distributed-backend",
+        choices=DISTRIBUTED_BACKENDS,
+        default=defaults["distributed_backend"],
+    )
+    group.add_argument(
+        "--cpu-binding",
+        choices=CPU_BINDINGS,
+        default=defaults["cpu_binding"],
+        help="with --tensor-parallel-size: auto gives each process its own share of the cores; "
+        "none lets them share",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

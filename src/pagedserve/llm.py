@@ -17,6 +17,10 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
+    def close(self) -> None:
+        """Stops the processes a tensor-parallel engine started (they also end with this one)."""
+        self.engine.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -195,6 +195,8 @@ def _throughput(args: argparse.Namespace) -> None:
         for run in run_throughput(vars(engine_config(args)), requests, args.baseline, sizes)
     ]
     print(offline_table(runs))
+    if runs[0].all_reduce_share is not None:
+        print(f"\nrank 0's time in all-reduces: {runs[0].all_reduce_share:.1%} of the run")
     if len(runs) > 1:
         best = fastest(runs[1:])
         print(

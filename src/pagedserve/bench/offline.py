@@ -82,6 +82,7 @@ class OfflineRun:
     steps: list[StepRecord] = field(default_factory=list)
     started: float = 0.0  # time.monotonic() at the start, the clock of `steps`
     setup: EngineSetup | None = None
+    all_reduce_s: float | None = None  # rank 0's time in all-reduces, under tensor parallelism
 
     def summary(self, **fields) -> Run:
         """The run's figures; fields sets any others (a name, the packed dtype it pinned)."""
@@ -98,6 +99,9 @@ class OfflineRun:
             ttft_ms=None if self.ttft_s is None else distribution_ms(self.ttft_s),
             tpot_ms=None if self.tpot_s is None else distribution_ms(self.tpot_s),
             steps=step_summary(self.steps) if self.steps else None,
+            all_reduce_share=None
+            if self.all_reduce_s is None
+            else self.all_reduce_s / self.duration_s,
         ).model_copy(update=fields)
 
 
@@ -106,6 +110,7 @@ def with_fresh_llm(engine_args: dict, work: Callable[[LLM], T], **overrides) -> 
     that two caches never coexist."""
     llm = LLM(**{**engine_args, **overrides})
     result = work(llm)
+    llm.close()
     del llm
     gc.collect()
     return result
@@ -131,6 +136,8 @@ def run_engine(llm: LLM, requests: list[BenchRequest], batch_size: int | None = 
     warm_up(llm)
     engine = llm.engine
     prompts = [r.engine_prompt for r in requests]
+    parallel = engine.runner.parallel
+    reduced = parallel.seconds_in_all_reduce if parallel is not None else 0.0
     with StepRecorder(engine) as recorder, Stopwatch(engine.runner.device) as watch:
         outputs = llm.generate(prompts, greedy_params(requests))
     return OfflineRun(
@@ -145,6 +152,7 @@ def run_engine(llm: LLM, requests: list[BenchRequest], batch_size: int | None = 
         steps=recorder.records,
         started=recorder.started,
         setup=EngineSetup.of(engine),
+        all_reduce_s=None if parallel is None else parallel.seconds_in_all_reduce - reduced,
     )
 
 

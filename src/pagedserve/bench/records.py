@@ -56,6 +56,8 @@ class Run(Record):
     packed_weight_dtype: str | None = None  # ours with the weights packed as this, when pinned
     step_bytes: float | None = None  # weight bytes a decode step reads, where the report needs it
     round_output_throughputs: list[float] = []  # every round's, in the order run
+    # Under tensor parallelism: the share of the run rank 0 spent in all-reduces.
+    all_reduce_share: float | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:

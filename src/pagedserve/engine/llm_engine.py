@@ -201,6 +201,10 @@ class LLMEngine:
 
     # The step: schedule, execute, update.
 
+    def close(self) -> None:
+        """Stops what the engine started beside itself (a tensor-parallel engine's workers)."""
+        self.runner.close()
+
     def step(self) -> list[StepOutput]:
         """Runs one step; returns a piece per sample that got a token, and a request's final
         result on the last of its pieces."""

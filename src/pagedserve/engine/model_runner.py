@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import platform
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,6 +16,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.sampling_state import SamplingState
 from pagedserve.engine.scheduler import ScheduledBatch
 from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.tensor_parallel import Limits, StepInputs, Workers
 from pagedserve.model.attention import AttentionBatch
 from pagedserve.model.checkpoint import (
     gguf_linear_parts,
@@ -29,6 +32,7 @@ from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.kernels import can_use_cpu_kernels, cpu_kernels_available
 from pagedserve.model.layers import Linear
 from pagedserve.model.linear_method import PACKED_FORMATS, PackedFormats, choose_format
+from pagedserve.model.parallel import TensorParallel, check_divides
 from pagedserve.model.sampler import (
     LogprobsRequest,
     LogprobsTensors,
@@ -154,10 +158,39 @@ class ModelRunner:
         config: EngineConfig,
         eos_token_ids: tuple[int, ...],
         gguf_path: Path | None = None,
+        parallel: TensorParallel | None = None,
     ):
         """gguf_path: the GGUF file whose metadata model_dir holds: its tensors are read in
-        place, and the linear maps packed from its own blocks where a format holds them."""
+        place, and the linear maps packed from its own blocks where a format holds them.
+        parallel: a tensor-parallel worker's rank (engine/tensor_parallel.py); with
+        config.tensor_parallel_size > 1 and none given, this runner is rank 0 and starts the
+        others."""
         self.device = resolve_device(config.device)
+        self.workers: Workers | None = None
+        if parallel is None and config.tensor_parallel_size > 1:
+            make_runner = functools.partial(
+                _worker_runner, model_dir, model_config, config, eos_token_ids, gguf_path
+            )
+            parallel = self._start_workers(model_config, config, make_runner)
+        self.parallel = parallel
+        try:
+            self._load(model_dir, model_config, config, eos_token_ids, gguf_path, parallel)
+            if self.workers is not None:
+                self.workers.wait_until_loaded()
+        except BaseException:
+            self.close()  # the workers too
+            raise
+
+    def _load(
+        self,
+        model_dir: Path,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        eos_token_ids: tuple[int, ...],
+        gguf_path: Path | None,
+        parallel: TensorParallel | None,
+    ) -> None:
+        """This rank's model, packed as config asks, with its KV cache."""
         kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels_available()
         self.dtype = resolve_dtype(config.dtype, self.device, kernels, CpuFeatures.host())
         self.block_size = config.block_size
@@ -173,32 +206,39 @@ class ModelRunner:
                 f"kv_cache_memory {config.kv_cache_memory!r} holds no block of "
                 f"{bytes_per_block} bytes"
             )
-        self.kv_cache_bytes = self.num_blocks * bytes_per_block
+        # Every rank holds the same blocks, each with its share of the heads.
+        self.kv_cache_bytes = self.num_blocks * bytes_per_block // config.tensor_parallel_size
         packed = config.cpu_kernels and can_use_cpu_kernels(self.device, self.dtype)
         if self.device.type == "cpu":
             packed_format = config.packed_weight_dtype if packed else None
             weights = weights_bytes(model_dir, self.dtype, packed_format)
             _check_memory(weights, self.kv_cache_bytes, config)
         with torch.device(self.device):
-            self.model = DecoderModel(model_config, self.dtype)
+            self.model = DecoderModel(model_config, self.dtype, parallel)
+        shard = None if parallel is None else functools.partial(parallel.shard, config=model_config)
         # None: the linear weights are used as loaded, by F.linear.
         self.packed_weight_dtypes: PackedFormats | None = None
         if packed:
             parts = {}
             if gguf_path is not None:
                 parts = gguf_linear_parts(gguf_path, model_dir, model_config)
+            if parallel is not None:
+                cuts = {
+                    name: parallel.shard_parts(name, p, model_config) for name, p in parts.items()
+                }
+                parts = {name: cut for name, cut in cuts.items() if cut is not None}
             formats = _linear_formats(
                 self.model, config.packed_weight_dtype, stored_weight_types(model_dir), parts
             )
             methods = {name: PACKED_FORMATS[format_name] for name, format_name in formats.items()}
-            load_weights(self.model, model_dir, gguf_path, methods, parts)
+            load_weights(self.model, model_dir, gguf_path, methods, parts, shard)
             self.model.use_cpu_kernels()
             self.packed_weight_dtypes = PackedFormats(
                 "+".join(sorted({f for name, f in formats.items() if name != "lm_head"})),
                 formats["lm_head"],
             )
         else:
-            load_weights(self.model, model_dir, gguf_path)
+            load_weights(self.model, model_dir, gguf_path, shard=shard)
         if config.packed_weight_dtype not in ("auto", "float32") and not packed:
             logger.warning(
                 "packed_weight_dtype %s ignored: weights are packed for float32 on CPU only, "
@@ -262,6 +302,40 @@ class ModelRunner:
                 config.dtype,
             )
 
+    def _start_workers(
+        self, model_config: ModelConfig, config: EngineConfig, make_runner
+    ) -> TensorParallel:
+        """Starts ranks 1 to N - 1 of a tensor-parallel engine, each loading its share of the
+        model as this one does (make_runner(parallel): its ModelRunner); returns rank 0's place
+        in their group."""
+        size = config.tensor_parallel_size
+        check_divides(model_config, size)
+        if self.device.type != "cpu":
+            raise ValueError(f"tensor_parallel_size {size}: tensor parallelism runs on CPU only")
+        max_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        tokens = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            tokens = max(tokens, max_len)  # a whole prompt in one step
+        limits = Limits(
+            tokens=max(tokens, config.max_num_seqs),
+            hidden_size=model_config.hidden_size,
+            sequences=config.max_num_seqs,
+            blocks_per_sequence=-(-max_len // config.block_size) + 1,
+        )
+        backend = config.distributed_backend
+        if backend == "auto":
+            backend = "shm" if platform.machine() in ("x86_64", "AMD64") else "gloo"
+        self.workers = Workers(size, backend, config.cpu_binding, limits, make_runner)
+        return TensorParallel(0, size, self.workers.channel.all_reduce)
+
+    def close(self) -> None:
+        """Stops a tensor-parallel engine's workers."""
+        if self.workers is not None:
+            self.workers.close()
+
     def weights_summary(self) -> str:
         """For the start-up log, e.g. "float32 on cpu, linear weights packed as bfloat16"."""
         summary = f"{_dtype_name(self.dtype)} on {self.device}"
@@ -282,12 +356,6 @@ class ModelRunner:
         each sequence whose pending tokens are all computed by this step, and of its new forks,
         which sample from the same logits, in the order of the entries; and the prompt logprobs
         of the prompt positions computed, for sequences that ask for them."""
-        if batch.block_copies:
-            sources, destinations = zip(*batch.block_copies, strict=True)
-            self.model.copy_blocks(
-                torch.tensor(sources, device=self.device),
-                torch.tensor(destinations, device=self.device),
-            )
         input_ids: list[int] = []
         query_lens, context_lens, block_tables = [], [], []
         sampling_rows: list[int] = []
@@ -322,25 +390,48 @@ class ModelRunner:
             and not prompt_seqs
             and self.decode_graphs.fits(len(input_ids), max(map(len, block_tables)))
         ):
+            self._copy_blocks(batch.block_copies)
             timer.lap("prepare")
             hidden = self.decode_graphs.run(input_ids, context_lens, block_tables)
             return self._finish(hidden, sampling_rows, sampling_seqs, [], timer)
+        step = StepInputs(
+            batch.block_copies, input_ids, query_lens, context_lens, block_tables, long_prompts
+        )
+        if self.workers is not None:
+            self.workers.send(step)
+        hidden = self.forward(step, timer)
+        prompt = self._prompt_logprobs(hidden, prompt_rows, prompt_seqs) if prompt_seqs else []
+        return self._finish(hidden, sampling_rows, sampling_seqs, prompt, timer)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs, timer: PhaseTimer | None = None) -> torch.Tensor:
+        """The hidden states of every token of a step: what each rank of a tensor-parallel
+        engine runs on the inputs rank 0 sent it."""
+        self._copy_blocks(step.block_copies)
         attention = AttentionBatch.build(
-            query_lens,
-            context_lens,
-            block_tables,
+            step.query_lens,
+            step.context_lens,
+            step.block_tables,
             self.block_size,
             self.model_config.sliding_window,
             self.device,
             self.decode_in_place,
             self.prefill_in_place,
         )
-        input_tensor = torch.tensor(input_ids, device=self.device)
-        timer.lap("prepare")
+        input_tensor = torch.tensor(step.input_ids, device=self.device)
+        if timer is not None:
+            timer.lap("prepare")
+        long_prompts = step.long_prompts
         long_tensor = torch.tensor(long_prompts, device=self.device) if long_prompts else None
-        hidden = self.model(input_tensor, attention, long_tensor)
-        prompt = self._prompt_logprobs(hidden, prompt_rows, prompt_seqs) if prompt_seqs else []
-        return self._finish(hidden, sampling_rows, sampling_seqs, prompt, timer)
+        return self.model(input_tensor, attention, long_tensor)
+
+    def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        if block_copies:
+            sources, destinations = zip(*block_copies, strict=True)
+            self.model.copy_blocks(
+                torch.tensor(sources, device=self.device),
+                torch.tensor(destinations, device=self.device),
+            )
 
     def _finish(
         self,
@@ -417,3 +508,15 @@ def _logprob_dicts(
             entry.setdefault(token, Logprob(logprob, rank))
         entries.append(entry)
     return entries
+
+
+def _worker_runner(
+    model_dir: Path,
+    model_config: ModelConfig,
+    config: EngineConfig,
+    eos_token_ids: tuple[int, ...],
+    gguf_path: Path | None,
+    parallel: TensorParallel,
+) -> ModelRunner:
+    """A tensor-parallel worker's runner (a module-level function: spawn pickles it)."""
+    return ModelRunner(model_dir, model_config, config, eos_token_ids, gguf_path, parallel)

@@ -44,6 +44,7 @@ def load_weights(
     gguf_path: Path | None = None,
     methods: Mapping[str, LinearMethod] | None = None,
     parts: dict[str, Sequence[GGUFPart]] | None = None,
+    shard: Callable[[str, int | None, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Reads the checkpoint's tensors into model one at a time: a safetensors checkpoint's (of
     every shard) or the GGUF file's (model_dir then holds its metadata), in place. Each linear
@@ -57,7 +58,10 @@ def load_weights(
 
     The parameters of a fused map (qkv_proj, gate_up_proj) are filled when all their parts have
     been read; Gemma's norms get their offset folded in; tied embeddings are the output
-    projection's weight."""
+    projection's weight.
+
+    shard(key, index, tensor): the part of each tensor (going to key, at index among a fused map's
+    parts) this process holds, under tensor parallelism (model/parallel.py)."""
     config = model.config
     methods, parts = methods or {}, parts if parts is not None else {}
     from_blocks = {name for name, method in methods.items() if method.takes(parts.get(name, ()))}
@@ -97,7 +101,7 @@ def load_weights(
         if key not in expected:
             unexpected.append(name)
             continue
-        tensor = read()
+        tensor = read() if shard is None else shard(key, index, read())
         if index is not None:
             fused = fused_parts.setdefault(key, {})
             fused[index] = tensor

@@ -14,12 +14,22 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.custom_op import CustomOp
 from pagedserve.model.gguf_blocks import GGUFPart
 from pagedserve.model.layers import GatedMLP, Linear, RMSNorm, SparseMoE
+from pagedserve.model.parallel import TensorParallel
 from pagedserve.model.rotary import RotaryAngles, RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        parallel: TensorParallel | None = None,
+    ):
+        """config: the shapes this layer holds (a rank's share under tensor parallelism, whose
+        row-parallel outputs parallel sums over the ranks)."""
         super().__init__()
+        self.parallel = parallel
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps, dtype)
         # The key of this layer's angles in DecoderModel.rotary.
@@ -75,24 +85,33 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, angles, batch)
+        hidden = self._summed(self.self_attn(hidden, angles, batch))
         if self.pre_feedforward_layernorm is None:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
-            return self.mlp(hidden), residual
+            return self._summed(self.mlp(hidden)), residual
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        return self.post_feedforward_layernorm(self._summed(self.mlp(hidden))), residual
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel map's output summed over the ranks (model/parallel.py)."""
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel | None = None
+    ):
+        """parallel: this process's rank of a tensor-parallel group, which holds its share of the
+        heads and the MLP (self.config: those shapes)."""
         super().__init__()
-        self.config = config
+        config = config if parallel is None else parallel.local_config(config)
+        self.config, self.parallel = config, parallel
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer, dtype) for layer in range(config.num_layers)
+            DecoderLayer(config, layer, dtype, parallel) for layer in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
@@ -178,8 +197,10 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, CustomOp):
                 module.use_cpu_kernel()
-        if self.config.llama_layers and all(
-            layer.self_attn.uses_cpu_kernel for layer in self.layers
+        if (
+            self.config.llama_layers
+            and self.parallel is None
+            and all(layer.self_attn.uses_cpu_kernel for layer in self.layers)
         ):
             self.decode_weights = [
                 weight for layer in self.layers for weight in layer.decode_weights()

@@ -68,6 +68,7 @@ def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
         server.run()
     finally:
         async_engine.shutdown()
+        async_engine.engine.close()
     if async_engine.dead_error is not None:
         sys.exit(1)
 
