@@ -117,7 +117,7 @@ Vec widen(const weight_t* weights) {
 // Q4_K and Q5_K: super-blocks of 256 inputs with a float16 d and dmin, and each group of 32 a
 //   6-bit sc and m: scale = d * sc, minimum = -(dmin * m), values 0-15 or 0-31 (4.6 and 5.6 bits);
 // Q6_K: super-blocks of 256 with a float16 d and dmin, and each group of 16 an int8 sc and m,
-//   values 0-63 (7.1 bits): GGUF's Q6_K weight d * sc * (q - 32) with dmin = 32 * d and m = sc,
+//   values 0-63, a byte each (9.1 bits): GGUF's Q6_K weight d * sc * (q - 32) with dmin = 32 * d and m = sc,
 //   and its Q4_K and Q5_K, so that a fused map whose parts mix them stays exact.
 // So a GGUF checkpoint's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights are held
 // exactly (pagedserve/model/gguf_blocks.py maps each onto these), where int8 panels with one scale
@@ -148,7 +148,7 @@ Vec to_float(__m256i values) { return Vec(_mm256_cvtepi32_ps(values)); }
 // How a panel row holds its values. Nibbles: feature i in the low half of byte i, feature
 // i + Vec::size() in the high half, so that one widened load gives both of the row's vectors.
 // FiveBits: those nibbles, then a bit a feature (feature i in bit i % 8 of byte i / 8) for 16.
-// SixBits: the nibbles, then two bits a feature for 16 and 32. SignedBytes: an int8 a feature.
+// UnsignedBytes and SignedBytes: a byte a feature.
 struct Nibbles {
   static constexpr int64_t kRowBytes = kPanel / 2;
   static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
@@ -178,24 +178,6 @@ struct FifthBitTable {
   }
 };
 inline constexpr FifthBitTable kFifthBits{};
-// The same for two bits a feature: for each byte, 4 lanes holding its pairs of bits times 16
-// (4 KiB); a vector's 8 lanes from two bytes.
-struct TopBitPairTable {
-  alignas(16) int32_t lanes[256][4];
-  constexpr TopBitPairTable() : lanes() {
-    for (int byte = 0; byte < 256; ++byte) {
-      for (int lane = 0; lane < 4; ++lane) lanes[byte][lane] = (byte >> 2 * lane & 3) << 4;
-    }
-  }
-  __m256i of(const uint8_t* bytes) const {
-    const auto half = [this](uint8_t byte) {
-      return reinterpret_cast<const __m128i*>(lanes[byte]);
-    };
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_load_si128(half(bytes[0]))),
-                                   _mm_load_si128(half(bytes[1])), 1);
-  }
-};
-inline constexpr TopBitPairTable kTopBitPairs{};
 #endif
 struct FiveBits {
   static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 8;
@@ -224,35 +206,12 @@ struct FiveBits {
 #endif
   }
 };
-struct SixBits {
-  static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 4;
+// Q6_K's values as bytes: splicing two bits a value onto nibbles costs more than the bytes saved
+// (a Q6_K product at one row runs at a Q8_0 one's speed rather than 1.8 times its time on AVX2).
+struct UnsignedBytes {
+  static constexpr int64_t kRowBytes = kPanel;
   static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
-    const uint8_t* pairs = row + kPanel / 2;  // 2 bits a feature: feature i in bits 2i, 2i + 1
-#if defined(CPU_CAPABILITY_AVX512)
-    auto [low, high] = nibbles_of(row);
-    uint32_t words[2];
-    std::memcpy(words, pairs, sizeof(words));
-    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                             28, 30);
-    const auto top_bits = [&](uint32_t word) {
-      const __m512i bits = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts);
-      return _mm512_slli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(3)), 4);
-    };
-    return {to_float(_mm512_or_si512(low, top_bits(words[0]))),
-            to_float(_mm512_or_si512(high, top_bits(words[1])))};
-#elif defined(CPU_CAPABILITY_AVX2)
-    auto [low, high] = nibbles_of(row);
-    return {to_float(_mm256_or_si256(low, kTopBitPairs.of(pairs))),
-            to_float(_mm256_or_si256(high, kTopBitPairs.of(pairs + 2)))};
-#else
-    float low[Vec::size()], high[Vec::size()];
-    for (int64_t i = 0; i < Vec::size(); ++i) {
-      const int64_t j = i + Vec::size();
-      low[i] = (row[i] & 15) | ((pairs[i / 4] >> (2 * (i % 4)) & 3) << 4);
-      high[i] = (row[i] >> 4) | ((pairs[j / 4] >> (2 * (j % 4)) & 3) << 4);
-    }
-    return {Vec::loadu(low), Vec::loadu(high)};
-#endif
+    return {widen(row), widen(row + Vec::size())};
   }
 };
 struct SignedBytes {
@@ -311,7 +270,7 @@ struct Q5_1 : FiveBits, GroupHeader<Minima::kStored> {};
 struct Q8_Min : SignedBytes, GroupHeader<Minima::kStored> {};
 struct Q4_K : Nibbles, SuperBlockHeader<8, uint8_t, uint8_t> {};
 struct Q5_K : FiveBits, SuperBlockHeader<8, uint8_t, uint8_t> {};
-struct Q6_K : SixBits, SuperBlockHeader<16, int8_t, int8_t> {};
+struct Q6_K : UnsignedBytes, SuperBlockHeader<16, int8_t, int8_t> {};
 
 // A panel is stored as blocks: the block's header, then its values, so that a tile reads each
 // panel as one stream, as for int8, rather than scales, minima and values from three places.
@@ -712,14 +671,8 @@ at::Tensor five_bit_rows(const at::Tensor& values) {
   return at::cat({nibble_rows(values), bits}, 2);
 }
 
-at::Tensor six_bit_rows(const at::Tensor& values) {
-  const at::Tensor top = pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte).div(
-      16, "floor");  // [panels][in][kPanel], 0-3
-  const at::Tensor weights = at::tensor({1, 4, 16, 64}, at::kByte);
-  const at::Tensor pairs = top.view({top.size(0), top.size(1), kPanel / 4, 4})
-                               .mul(weights)
-                               .sum(3, false, at::kByte);
-  return at::cat({nibble_rows(values), pairs}, 2);
+at::Tensor byte_rows(const at::Tensor& values) {
+  return pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte);
 }
 
 // values (uint8) at most max_value.
@@ -873,7 +826,7 @@ at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Te
                      const at::Tensor& sc, const at::Tensor& m) {
   check_format_inputs<Q6_K>("pack_q6_k", values, 63);
   check_super_block_header<Q6_K>("pack_q6_k", values, d, dmin, sc, m, at::kChar, at::kChar);
-  return pack_blocks({d, dmin, sc, m}, six_bit_rows(values));
+  return pack_blocks({d, dmin, sc, m}, byte_rows(values));
 }
 
 // One GGUF super-block as the packed formats hold it: d and dmin as float16 bits, each
@@ -962,9 +915,10 @@ at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_
         for (int64_t k = 0; k < 256; ++k) {
           uint8_t* row = to + header + k * Format::kRowBytes;
           const uint8_t value = block.values[k];
-          row[f % (kPanel / 2)] |= (value & 15) << shift;
           if constexpr (std::is_same_v<Format, Q6_K>) {
-            row[kPanel / 2 + f / 4] |= (value >> 4) << (2 * (f % 4));
+            row[f] = value;
+          } else {
+            row[f % (kPanel / 2)] |= (value & 15) << shift;
           }
         }
       }
