@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import reference_greedy
+from conftest import reference_greedy, reference_greedy_with_margins
 from gguf_quantize import mixed_type, quantize, requantized_default_gguf
 from transformers import AutoModelForCausalLM
 
@@ -17,6 +17,7 @@ from pagedserve.model import gguf_blocks
 from pagedserve.model.gguf_blocks import BLOCK_TYPES, FORMAT_HOLDS, GGUFPart
 from pagedserve.model.kernels import cpu_kernels_available
 from pagedserve.model.linear_method import PACKED_FORMATS, choose_format
+from pagedserve.model.source import default_gguf_path
 
 
 def _part(type_name: str, rows: int, inputs: int, seed: int) -> GGUFPart:
@@ -154,3 +155,96 @@ def test_a_gguf_mixing_every_type_generates_as_transformers_reads_it(monkeypatch
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for output in llm.generate(prompts, params):
         assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)
+
+
+def _qwen3_moe_gguf(path):
+    """A tiny random Qwen3-MoE written as llama.cpp lays it out: each layer's experts stacked in
+    one tensor a projection, Q8_0; the default model's tokenizer. Its expert width is 768, what
+    transformers' GGUF reader assumes for qwen3moe files (it reads no expert_feed_forward_length).
+    """
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=768,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rope_theta=1e6,
+        rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    weights = AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer.add_context_length(1024)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(128)
+    writer.add_expert_feed_forward_length(768)
+    writer.add_embedding_length(64)
+    writer.add_rope_freq_base(1e6)
+    writer.add_key_length(16)
+    writer.add_value_length(16)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(4)
+    writer.add_expert_used_count(2)
+    reader = gguf.GGUFReader(default_gguf_path())
+    for field in reader.fields.values():
+        if field.name.startswith("tokenizer."):
+            value_type = field.types[0]
+            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+
+    def add(name: str, tensor: torch.Tensor, type_name: str = "Q8_0") -> None:
+        values = tensor.detach().float().numpy()
+        if type_name == "F32":
+            writer.add_tensor(name, values)
+            return
+        blocks = quantize(values.reshape(-1, values.shape[-1]), type_name)
+        stored = gguf.GGMLQuantizationType[type_name]
+        writer.add_tensor(name, blocks.reshape(*values.shape[:-1], -1), raw_dtype=stored)
+
+    add("token_embd.weight", weights["model.embed_tokens.weight"])
+    add("output_norm.weight", weights["model.norm.weight"], "F32")
+    add("output.weight", weights["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate": "ffn_gate_inp"}  # fmt: skip
+    for layer in range(2):
+        prefix = f"model.layers.{layer}"
+        for hf_name, gguf_name in names.items():
+            small = "norm" in hf_name or hf_name == "mlp.gate"
+            tensor = weights[f"{prefix}.{hf_name}.weight"]
+            add(f"blk.{layer}.{gguf_name}.weight", tensor, "F32" if small else "Q8_0")
+        gate_up = weights[f"{prefix}.mlp.experts.gate_up_proj"]  # [experts, 2 * 768, 64]
+        add(f"blk.{layer}.ffn_gate_exps.weight", gate_up[:, :768])
+        add(f"blk.{layer}.ffn_up_exps.weight", gate_up[:, 768:])
+        add(f"blk.{layer}.ffn_down_exps.weight", weights[f"{prefix}.mlp.experts.down_proj"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_mixture_of_experts_gguf_generates_as_transformers_reads_it(monkeypatch, tmp_path):
+    path = _qwen3_moe_gguf(tmp_path / "tiny-qwen3-moe.Q8_0.gguf")
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    llm = LLM(str(path), dtype="float32")
+    experts = llm.engine.runner.model.layers[1].mlp.experts
+    assert len(experts) == 4 and experts[3].down_proj.method.name == "q8_0"
+    assert experts[3].down_proj.weight is None  # packed from the file's own blocks
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    # A tiny random model's top two logits come within a few hundredths now and then, where
+    # summing the same products in another order may pick the other: each output must equal
+    # transformers' for its first 12 tokens, and after them up to such a near tie.
+    prompts = ["The history of the Roman Empire", "def fibonacci(n):", "Photosynthesis is"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for output in llm.generate(prompts, params):
+        ours = output.outputs[0].token_ids
+        expected, margins = reference_greedy_with_margins(model, output.prompt_token_ids, 24)
+        differs = [i for i, (a, b) in enumerate(zip(ours, expected, strict=True)) if a != b]
+        if differs:
+            assert differs[0] >= 12 and margins[differs[0]] < 0.1, (differs[0], margins)

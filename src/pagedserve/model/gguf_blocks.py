@@ -18,6 +18,7 @@ weights are those that transformers dequantizes, row for row.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -289,6 +290,9 @@ def _super_block_inputs(format_name: str, decoded: list[_SuperBlocks]) -> list[t
     return [torch.from_numpy(np.ascontiguousarray(array)) for array in arrays]
 
 
+_EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
+
+
 class GGUFNames:
     """GGUF tensor names -> transformers' parameter names, and the transformations transformers'
     GGUF loader makes on the way (llama's queries' and keys' rows permuted, Gemma's norms less
@@ -313,6 +317,19 @@ class GGUFNames:
             gguf_name = name_map.get_name(base)
             if gguf_name is not None:
                 self.names.setdefault(f"{gguf_name}{dot}{suffix}", hf_name)
+        # A mixture of experts stores each projection of a layer's experts as one tensor,
+        # [experts, out, in], which transformers' loader splits by its processor's own map: by
+        # GGUF name, the layer and the projection.
+        self.experts: dict[str, tuple[int, str]] = {
+            name: (int(match["layer"]), match["proj"])
+            for name in types.tensors
+            if (match := _EXPERT_TENSOR.fullmatch(name))
+        }
+
+    def expert_names(self, name: str, count: int) -> list[str]:
+        """transformers' (per-expert) names of the experts that an expert tensor stacks."""
+        layer, proj = self.experts[name]
+        return [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in range(count)]
 
     def process(self, name: str, data: np.ndarray) -> np.ndarray:
         return self.processor.process(weights=data, name=name, parsed_parameters={}).weights
@@ -333,7 +350,11 @@ def linear_parts(gguf_path: Path, types: GGUFTensorTypes, names: GGUFNames) -> d
     copied)."""
     parts = {}
     for name, tensor in types.tensors.items():
-        if tensor.type in BLOCK_TYPES and len(tensor.shape) == 2 and name in names.names:
+        if tensor.type in BLOCK_TYPES and name in names.experts:
+            rows, per_expert = _mapped(gguf_path, tensor), tensor.shape[1]
+            for e, hf_name in enumerate(names.expert_names(name, tensor.shape[0])):
+                parts[hf_name] = GGUFPart(tensor.type, rows[e * per_expert : (e + 1) * per_expert])
+        elif tensor.type in BLOCK_TYPES and len(tensor.shape) == 2 and name in names.names:
             data = names.process(name, _mapped(gguf_path, tensor))
             parts[names.names[name]] = GGUFPart(tensor.type, data)
     return parts
@@ -348,14 +369,20 @@ def float_tensors(
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    def read(name: str, tensor: GGUFTensor) -> torch.Tensor:
-        data = _mapped(gguf_path, tensor)
-        values = gguf_dequantize(data, GGMLQuantizationType[tensor.type]).reshape(tensor.shape)
+    def read(name: str, tensor: GGUFTensor, expert: int | None = None) -> torch.Tensor:
+        data, shape = _mapped(gguf_path, tensor), tensor.shape
+        if expert is not None:  # one expert's matrix of a stacked tensor
+            data = data[expert * shape[1] : (expert + 1) * shape[1]]
+            shape = shape[1:]
+        values = gguf_dequantize(data, GGMLQuantizationType[tensor.type]).reshape(shape)
         values = np.asarray(names.process(name, values), np.float32)
         if not values.flags.writeable:  # an F32 tensor's view of the map: copied off it
             values = values.copy()
         return torch.from_numpy(values)
 
     for name, tensor in types.tensors.items():
-        if name in names.names:
+        if name in names.experts:
+            for e, hf_name in enumerate(names.expert_names(name, tensor.shape[0])):
+                yield hf_name, functools.partial(read, name, tensor, e)
+        elif name in names.names:
             yield names.names[name], functools.partial(read, name, tensor)
