@@ -117,7 +117,9 @@ class SharedMemoryChannel:
     all-reduce it has written), the message's number and length, its bytes, then two buffers of
     one slot per rank. All-reduce number g uses buffer g % 2: a rank writes buffer g % 2 again
     only at g + 2, after every rank raised its flag for g + 1, which each does only once it has
-    read g's slots. x86 keeps one core's stores in order, so a raised flag means its slot is
+    read g's slots. The step's message is overwritten only by the next step's, which rank 0
+    sends once this step's all-reduces are done, after every rank has read it. x86 keeps one
+    core's stores in order, so a raised flag (or message number) means what it covers is
     written."""
 
     def __init__(self, path: Path, rank: int, size: int, limits: Limits, alive: Callable[[], None]):
