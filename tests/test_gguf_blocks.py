@@ -13,6 +13,7 @@ from gguf_quantize import mixed_type, quantize, requantized_default_gguf
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.bench.kquants import copy_metadata
 from pagedserve.model import gguf_blocks
 from pagedserve.model.gguf_blocks import BLOCK_TYPES, FORMAT_HOLDS, GGUFPart
 from pagedserve.model.kernels import cpu_kernels_available
@@ -186,12 +187,9 @@ def _qwen3_moe_gguf(path):
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_expert_count(4)
     writer.add_expert_used_count(2)
-    reader = gguf.GGUFReader(default_gguf_path())
-    for field in reader.fields.values():
-        if field.name.startswith("tokenizer."):
-            value_type = field.types[0]
-            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    copy_metadata(
+        gguf.GGUFReader(default_gguf_path()), writer, lambda name: name.startswith("tokenizer.")
+    )
 
     def add(name: str, tensor: torch.Tensor, type_name: str = "Q8_0") -> None:
         values = tensor.detach().float().numpy()

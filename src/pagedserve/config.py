@@ -117,6 +117,17 @@ class EngineConfig:
     def kv_cache_bytes(self) -> int:
         return parse_memory(self.kv_cache_memory)
 
+    def served_length(self, max_position_embeddings: int) -> int:
+        """The context served: max_model_len, at most the model's own."""
+        return min(self.max_model_len or max_position_embeddings, max_position_embeddings)
+
+    def token_budget(self, max_model_len: int) -> int:
+        """The most tokens one step computes: without chunked prefill, a whole prompt (or a
+        preempted request's recompute) runs in one step."""
+        if self.enable_chunked_prefill:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, max_model_len)
+
 
 def parse_memory(value: str | int) -> int:
     """'2GiB', '512MB', '1e9' or a plain byte count."""

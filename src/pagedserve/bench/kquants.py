@@ -69,11 +69,9 @@ def rewrite_gguf(
     (data and type)."""
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name != "general.architecture" and not field.name.startswith("GGUF."):
-            value_type = field.types[0]
-            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    copy_metadata(
+        reader, writer, lambda name: name != "general.architecture" and not name.startswith("GGUF.")
+    )
     for tensor in reader.tensors:
         data, stored = convert(tensor)
         writer.add_tensor(tensor.name, data, raw_dtype=stored)
@@ -81,6 +79,17 @@ def rewrite_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def copy_metadata(
+    reader: gguf.GGUFReader, writer: gguf.GGUFWriter, keep: Callable[[str], bool]
+) -> None:
+    """Writes the fields of reader's file whose names keep accepts to writer, as they are."""
+    for field in reader.fields.values():
+        if keep(field.name):
+            value_type = field.types[0]
+            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
 
 
 def map_bytes(gguf_path: Path) -> int:

@@ -66,10 +66,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        token_budget = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:
-            # Without chunking a whole prompt (or a preempted request's recompute) runs in one step.
-            token_budget = max(token_budget, self.max_model_len)
+        token_budget = config.token_budget(self.max_model_len)
         scheduler = StaticScheduler if config.scheduler == "static" else Scheduler
         self.scheduler = scheduler(
             SchedulerConfig(

@@ -257,10 +257,7 @@ class ModelRunner:
         )
         # Every token read in place, so that results are batch-invariant (AttentionBatch.build).
         self.prefill_in_place = self.decode_in_place and config.batch_invariant
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-        )
+        self.max_model_len = config.served_length(model_config.max_position_embeddings)
         # CUDA graphs replay decode steps (model/cuda_graphs.py), except where a step's work
         # depends on its values: experts chosen per token, longrope's per-prompt factors.
         self.decode_graphs: DecodeGraphs | None = None
@@ -312,15 +309,9 @@ class ModelRunner:
         check_divides(model_config, size)
         if self.device.type != "cpu":
             raise ValueError(f"tensor_parallel_size {size}: tensor parallelism runs on CPU only")
-        max_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-        )
-        tokens = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:
-            tokens = max(tokens, max_len)  # a whole prompt in one step
+        max_len = config.served_length(model_config.max_position_embeddings)
         limits = Limits(
-            tokens=max(tokens, config.max_num_seqs),
+            tokens=max(config.token_budget(max_len), config.max_num_seqs),
             hidden_size=model_config.hidden_size,
             sequences=config.max_num_seqs,
             blocks_per_sequence=-(-max_len // config.block_size) + 1,

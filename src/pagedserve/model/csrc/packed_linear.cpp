@@ -117,8 +117,9 @@ Vec widen(const weight_t* weights) {
 // Q4_K and Q5_K: super-blocks of 256 inputs with a float16 d and dmin, and each group of 32 a
 //   6-bit sc and m: scale = d * sc, minimum = -(dmin * m), values 0-15 or 0-31 (4.6 and 5.6 bits);
 // Q6_K: super-blocks of 256 with a float16 d and dmin, and each group of 16 an int8 sc and m,
-//   values 0-63, a byte each (9.1 bits): GGUF's Q6_K weight d * sc * (q - 32) with dmin = 32 * d and m = sc,
-//   and its Q4_K and Q5_K, so that a fused map whose parts mix them stays exact.
+//   values 0-63, a byte each (9.1 bits): GGUF's Q6_K weight d * sc * (q - 32) with
+//   dmin = 32 * d and m = sc, and its Q4_K and Q5_K, so that a fused map whose parts mix them
+//   stays exact.
 // So a GGUF checkpoint's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights are held
 // exactly (pagedserve/model/gguf_blocks.py maps each onto these), where int8 panels with one scale
 // per output feature round them again. Every product of d and sc, or dmin and m, is exact in
@@ -206,8 +207,8 @@ struct FiveBits {
 #endif
   }
 };
-// Q6_K's values as bytes: splicing two bits a value onto nibbles costs more than the bytes saved
-// (a Q6_K product at one row runs at a Q8_0 one's speed rather than 1.8 times its time on AVX2).
+// Q6_K's values as bytes: splicing two bits a value onto nibbles costs a product at one row more
+// instructions than the bytes it saves are worth; a byte widens in one instruction, as Q8_0's.
 struct UnsignedBytes {
   static constexpr int64_t kRowBytes = kPanel;
   static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
@@ -654,25 +655,24 @@ at::Tensor pack_blocks(at::TensorList header_parts, const at::Tensor& value_rows
 
 // Panel rows [panels][in][row bytes] of values [out][in] (uint8), as Nibbles and FiveBits hold
 // them (values below 16 or 32).
+// values [out, in] (uint8) as panels [panels][in][kPanel], a value a byte.
+at::Tensor byte_rows(const at::Tensor& values) {
+  return pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte);
+}
 at::Tensor nibble_rows(const at::Tensor& values) {
-  // [panels][in][kPanel], one value a byte, then two
-  const at::Tensor panels = pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte);
+  // one value a byte, then two
+  const at::Tensor panels = byte_rows(values);
   const at::Tensor low = panels.narrow(2, 0, kPanel / 2).bitwise_and(15);
   const at::Tensor high = panels.narrow(2, kPanel / 2, kPanel / 2).bitwise_and(15);
   return low.bitwise_or(high.mul(16));
 }
 at::Tensor five_bit_rows(const at::Tensor& values) {
-  const at::Tensor fifth = pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte).div(
-      16, "floor");  // [panels][in][kPanel], 0 or 1
+  const at::Tensor fifth = byte_rows(values).div(16, "floor");  // [panels][in][kPanel], 0 or 1
   const at::Tensor weights = at::tensor({1, 2, 4, 8, 16, 32, 64, 128}, at::kByte);
   const at::Tensor bits = fifth.view({fifth.size(0), fifth.size(1), kPanel / 8, 8})
                               .mul(weights)
                               .sum(3, false, at::kByte);
   return at::cat({nibble_rows(values), bits}, 2);
-}
-
-at::Tensor byte_rows(const at::Tensor& values) {
-  return pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte);
 }
 
 // values (uint8) at most max_value.
