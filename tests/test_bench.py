@@ -119,6 +119,12 @@ def test_random_and_shared_prefix_lengths(tokenizer):
     assert {r.prompt_len - 20 for r in requests} <= {2, 3}
     assert len({tuple(r.prompt_token_ids) for r in requests}) == 6
 
+    spec = DatasetSpec("shared-prefix", num_prompts=40, prefix_len=20, num_prefixes=3)
+    requests = build_requests(spec, tokenizer)
+    prefixes = {tuple(r.prompt_token_ids[:20]) for r in requests}
+    assert len(prefixes) == 3
+    assert tuple(prefix) in prefixes  # the first of them is the one-prefix dataset's
+
 
 def test_text_is_made_to_encode_to_the_asked_length(tokenizer):
     vocabulary = ordinary_token_ids(tokenizer)

@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from pagedserve.config import EXECUTOR_BACKENDS
+from pagedserve.engine.router import ROUTING_POLICIES
 from pagedserve.engine_args import add_engine_args, engine_config
 from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES
 from pagedserve.server.tool_calls import PARSERS
@@ -28,6 +30,35 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="largest request body accepted; larger ones get 413",
     )
     group.add_argument("--log-interval", type=float, default=5.0, help="seconds between stat lines")
+    scale = parser.add_argument_group("replicas (docs/SCALING.md)")
+    scale.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_positive_int,
+        default=1,
+        help="engines serving requests side by side, each a Ray actor (with "
+        "--distributed-executor-backend ray)",
+    )
+    scale.add_argument(
+        "--distributed-executor-backend",
+        choices=EXECUTOR_BACKENDS,
+        default="mp",
+        help="mp: the engine in this process (its tensor-parallel ranks as processes); ray: "
+        "every replica a Ray actor, restarted if it dies",
+    )
+    scale.add_argument(
+        "--ray-address",
+        default=None,
+        help="an existing Ray cluster (host:port); default: a local Ray instance started for "
+        "the server",
+    )
+    scale.add_argument(
+        "--routing-policy",
+        choices=ROUTING_POLICIES,
+        default="prefix",
+        help="which replica takes a request: the one likely holding its prefix (else the least "
+        "loaded), the least loaded, or each in turn",
+    )
     tools = parser.add_argument_group("tool calling")
     tools.add_argument(
         "--enable-auto-tool-choice",
@@ -132,12 +163,11 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.serve import serve
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    serve(args, LLMEngine(engine_config(args)))
+    serve(args, engine_config(args))
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -32,6 +32,9 @@ PACKED_WEIGHT_DTYPES = (
 # on), else gloo.
 DISTRIBUTED_BACKENDS = ("auto", "shm", "gloo")
 CPU_BINDINGS = ("auto", "none")
+# How `pagedserve serve` runs engines: mp, one in the server's process (its tensor-parallel ranks
+# as processes); ray, every data-parallel replica a Ray actor (engine/replicas.py).
+EXECUTOR_BACKENDS = ("mp", "ray")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 

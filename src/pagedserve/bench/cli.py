@@ -107,6 +107,9 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--input-len", type=parse_range, default=(8, 128), help="MIN:MAX or N")
     group.add_argument("--output-len", type=parse_range, default=(8, 256), help="MIN:MAX or N")
     group.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: common part")
+    group.add_argument(
+        "--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes, at random"
+    )
     group.add_argument("--dataset-seed", type=int, default=0)
     group.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model's)")
 
@@ -131,6 +134,7 @@ def _dataset_spec(args: argparse.Namespace) -> DatasetSpec:
         input_len=args.input_len,
         output_len=args.output_len,
         prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
         seed=args.dataset_seed,
     )
 

@@ -65,12 +65,18 @@ def shared_prefix_requests(
     output_range: tuple[int, int],
     vocabulary: np.ndarray,
     seed: int = 0,
+    num_prefixes: int = 1,
 ) -> list[BenchRequest]:
-    """One common prefix of prefix_len tokens, then a unique random suffix per request."""
+    """A common prefix of prefix_len tokens (one of num_prefixes, drawn at random per request, as
+    many system prompts or documents would be), then a unique random suffix per request."""
     rng = np.random.default_rng(seed)
-    prefix = rng.choice(vocabulary, prefix_len).tolist()
+    prefixes = [rng.choice(vocabulary, prefix_len).tolist() for _ in range(num_prefixes)]
+    groups = np.random.default_rng(seed + 2).integers(0, num_prefixes, num)
     suffixes = random_requests(num, suffix_range, output_range, vocabulary, seed + 1)
-    return [BenchRequest(prefix + s.prompt_token_ids, s.output_len) for s in suffixes]
+    return [
+        BenchRequest(prefixes[group] + s.prompt_token_ids, s.output_len)
+        for group, s in zip(groups, suffixes, strict=True)
+    ]
 
 
 def load_tokenizer(path: str | Path | None):
@@ -137,6 +143,7 @@ class DatasetSpec:
     input_len: tuple[int, int] = (8, 128)  # the suffix after the prefix, for shared-prefix
     output_len: tuple[int, int] = (8, 256)
     prefix_len: int = 256
+    num_prefixes: int = 1  # shared-prefix: distinct prefixes the requests are spread over
     seed: int = 0
 
 
@@ -153,5 +160,11 @@ def build_requests(spec: DatasetSpec, tokenizer=None) -> list[BenchRequest]:
             spec.num_prompts, spec.input_len, spec.output_len, vocabulary, spec.seed
         )
     return shared_prefix_requests(
-        spec.num_prompts, spec.prefix_len, spec.input_len, spec.output_len, vocabulary, spec.seed
+        spec.num_prompts,
+        spec.prefix_len,
+        spec.input_len,
+        spec.output_len,
+        vocabulary,
+        spec.seed,
+        spec.num_prefixes,
     )

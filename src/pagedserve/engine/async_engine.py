@@ -16,7 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from pagedserve.engine.input_processor import PromptInput
+from pagedserve.engine.input_processor import InputProcessor, PromptInput
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.sequence import Sequence
 from pagedserve.outputs import StepOutput
@@ -81,19 +81,37 @@ class AsyncLLMEngine:
         self._commands.put(("wake", ""))
         self._thread.join(timeout=10)
 
+    def close(self) -> None:
+        """Stops the loop and what the engine started beside itself."""
+        self.shutdown()
+        self.engine.close()
+
+    @property
+    def inputs(self) -> InputProcessor:
+        """Tokenization, chat templates and validation, usable from any thread."""
+        return self.engine.inputs
+
+    def health_detail(self) -> dict | None:
+        """Nothing beyond dead_error to report: one engine is either serving or stopped."""
+        return None
+
     @property
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._commands.qsize()
 
     async def add_requests(
-        self, prompts: list[PromptInput], params: SamplingParams, request_id: str
+        self,
+        prompts: list[PromptInput],
+        params: SamplingParams,
+        request_id: str,
+        request_ids: list[str] | None = None,
     ) -> list[RequestStream]:
         """Validates and submits prompts as one unit, each an engine request of params.n samples
-        named by sub_request_ids, and returns a stream of each one's pieces. Raises at
-        once, submitting none: ValueError for a bad prompt or more prompts than the queue can
-        ever hold, QueueFullError while the queue has no room for all of them. Closing an
-        iterator early aborts its request; one that is never iterated must be ended with
-        abort()."""
+        named by sub_request_ids (or request_ids when given), and returns a stream of each
+        one's pieces. Raises at once, submitting none: ValueError for a bad prompt or more
+        prompts than the queue can ever hold, QueueFullError while the queue has no room for
+        all of them. Closing an iterator early aborts its request; one that is never iterated
+        must be ended with abort()."""
         if len(prompts) > self.max_waiting:
             raise FieldError(
                 "prompt",
@@ -101,7 +119,7 @@ class AsyncLLMEngine:
                 f"{self.max_waiting} requests (--max-waiting)",
             )
         self._raise_if_dead()
-        ids = sub_request_ids(request_id, len(prompts))
+        ids = request_ids or sub_request_ids(request_id, len(prompts))
         seqs = await asyncio.to_thread(self._make_sequences, prompts, params, ids)
         # Checked after the await, so that the check and the submission are one atomic step.
         if self.num_waiting + len(seqs) > self.max_waiting:

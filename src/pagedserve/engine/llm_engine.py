@@ -47,19 +47,52 @@ class EngineStats:
     prefix_cache_hits: int = 0
 
 
+@dataclass
+class ModelFiles:
+    """What the engine reads from a model besides its weights: config, tokenizer, stop ids."""
+
+    model_dir: Path
+    model_config: ModelConfig
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ModelFiles:
+        model_dir = resolve_model_dir(config.model)
+        model_config = ModelConfig.from_dir(model_dir)
+        tokenizer = _load_tokenizer(model_dir)
+        if config.chat_template is not None:
+            tokenizer.chat_template = _read_chat_template(config.chat_template)
+        return cls(
+            model_dir, model_config, tokenizer, _eos_token_ids(model_dir, model_config, tokenizer)
+        )
+
+    def input_processor(
+        self, config: EngineConfig, max_model_len: int, kv_cache: BlockManager
+    ) -> InputProcessor:
+        """Tokenization and validation against this model and a KV cache of kv_cache's size."""
+        vocab_size = self.model_config.vocab_size
+        return InputProcessor(
+            self.tokenizer,
+            vocab_size,
+            max_model_len,
+            config.max_num_seqs,
+            kv_cache,
+            config.seed,
+            GrammarCompiler(self.tokenizer, vocab_size, self.eos_token_ids),
+            config.chat_content_tokens,
+        )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         started = time.monotonic()
         self.config = config
-        model_dir = resolve_model_dir(config.model)
-        self.model_dir = model_dir
-        model_config = ModelConfig.from_dir(model_dir)
-        self.tokenizer = _load_tokenizer(model_dir)
-        if config.chat_template is not None:
-            self.tokenizer.chat_template = _read_chat_template(config.chat_template)
-        self.eos_token_ids = _eos_token_ids(model_dir, model_config, self.tokenizer)
+        files = ModelFiles.load(config)
+        self.model_dir, model_config = files.model_dir, files.model_config
+        self.tokenizer, self.eos_token_ids = files.tokenizer, files.eos_token_ids
         self.runner = ModelRunner(
-            model_dir, model_config, config, self.eos_token_ids, gguf_file(config.model)
+            files.model_dir, model_config, config, self.eos_token_ids, gguf_file(config.model)
         )
         self.vocab_size = model_config.vocab_size
         self.max_model_len = self.runner.max_model_len
@@ -76,16 +109,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.inputs = InputProcessor(
-            self.tokenizer,
-            self.vocab_size,
-            self.max_model_len,
-            config.max_num_seqs,
-            self.block_manager,
-            config.seed,
-            GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids),
-            config.chat_content_tokens,
-        )
+        self.inputs = files.input_processor(config, self.max_model_len, self.block_manager)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.stats = EngineStats()
         # The engine's own step profile: seconds per phase, summed over every step.
@@ -94,7 +118,7 @@ class LLMEngine:
         logger.info(
             "loaded %s (%s, %s) in %.1f s; KV cache: %d blocks of %d tokens = %d tokens, "
             "%.2f GiB; max_model_len %d",
-            model_dir.name,
+            files.model_dir.name,
             model_config.architecture,
             runner.weights_summary(),
             time.monotonic() - started,

@@ -71,15 +71,18 @@ class Limits(NamedTuple):
         return 8 * ints + 65536
 
 
-def core_shares(size: int, cpu_binding: str) -> list[list[int] | None]:
-    """Each rank's cores: the cores this process may run on, split evenly (cpu_binding "auto"),
-    or None for every rank ("none": the ranks share them)."""
+def core_shares(
+    size: int, cpu_binding: str, what: str = "tensor_parallel_size"
+) -> list[list[int] | None]:
+    """Each of size processes' cores (ranks, or replicas; `what` names the setting): the cores
+    this process may run on, split evenly (cpu_binding "auto"), or None for every one ("none":
+    they share them)."""
     if cpu_binding == "none":
         return [None] * size
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < size:
         raise ValueError(
-            f"tensor_parallel_size {size} is more than this machine's {len(cores)} cores; "
+            f"{what} {size} is more than this machine's {len(cores)} cores; "
             "use cpu_binding 'none' to share them"
         )
     share = len(cores) // size

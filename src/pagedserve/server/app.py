@@ -12,7 +12,7 @@ from functools import partial
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -52,6 +52,7 @@ VERSION = "0.1.0"
 
 @dataclass
 class ServerState:
+    # One engine in this process, or engine/replicas.Replicas, which answers the same calls.
     engine: AsyncLLMEngine
     model_name: str
     api_key: str | None
@@ -93,7 +94,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if state.engine.dead_error is not None:
             return error_response(503, "the engine has stopped", "server_error")
-        return Response(status_code=200)
+        detail = state.engine.health_detail()  # replicas: which are up ("degraded" if not all)
+        return Response(status_code=200) if detail is None else JSONResponse(detail)
 
     @app.get("/version")
     async def version() -> dict:
@@ -101,7 +103,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+        # On a thread: replicas' series are fetched from their processes while collecting.
+        text = await asyncio.to_thread(generate_latest, state.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -110,7 +114,7 @@ def build_app(state: ServerState) -> FastAPI:
             "object": "model",
             "created": responses.now_seconds(),
             "owned_by": "pagedserve",
-            "max_model_len": state.engine.engine.max_model_len,
+            "max_model_len": state.engine.inputs.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -165,20 +169,20 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         _check_model(state, body.model)
-        engine = state.engine.engine
+        inputs = state.engine.inputs
         if body.messages is not None:
             messages = _template_messages(body.messages)
             tools = template_tools(body.tools)
-            work = partial(engine.chat_token_ids, messages, body.add_generation_prompt, tools)
+            work = partial(inputs.chat_token_ids, messages, body.add_generation_prompt, tools)
         else:
-            work = partial(engine.tokenize, body.prompt, body.add_special_tokens)
+            work = partial(inputs.tokenize, body.prompt, body.add_special_tokens)
         tokens = await asyncio.to_thread(work)
         token_strs = (
-            engine.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+            inputs.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         )
         return {
             "count": len(tokens),
-            "max_model_len": engine.max_model_len,
+            "max_model_len": inputs.max_model_len,
             "tokens": tokens,
             "token_strs": token_strs,
         }
@@ -186,7 +190,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         _check_model(state, body.model)
-        return {"prompt": await asyncio.to_thread(state.engine.engine.detokenize, body.tokens)}
+        return {"prompt": await asyncio.to_thread(state.engine.inputs.detokenize, body.tokens)}
 
     return app
 
@@ -198,7 +202,7 @@ class _Echo:
 
 
 def _echoes(state: ServerState, prompts: list, streams: list[RequestStream]) -> list[_Echo]:
-    tokenizer = state.engine.engine.tokenizer
+    tokenizer = state.engine.inputs.tokenizer
     echoes = []
     for prompt, stream in zip(prompts, streams, strict=True):
         ids = stream.prompt_token_ids
@@ -263,7 +267,7 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 def _chat_tokens(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     messages = _template_messages(body.messages)
-    return state.engine.engine.chat_token_ids(messages, tools=template_tools(body.tools))
+    return state.engine.inputs.chat_token_ids(messages, tools=template_tools(body.tools))
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict]:

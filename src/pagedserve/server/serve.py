@@ -11,11 +11,13 @@ import logging
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from pagedserve.config import EngineConfig
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.model.source import DEFAULT_GGUF_FILE, hub_name
@@ -41,11 +43,30 @@ def served_model_name(model: str | None) -> str:
     return Path(model).name.removesuffix(".gguf")
 
 
-def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
+def serve(args: argparse.Namespace, config: EngineConfig) -> None:
+    if args.data_parallel_size > 1 and args.distributed_executor_backend != "ray":
+        raise ValueError("data_parallel_size above 1 needs --distributed-executor-backend ray")
+    if args.ray_address is not None and args.distributed_executor_backend != "ray":
+        raise ValueError("ray_address needs --distributed-executor-backend ray")
     model_name = args.served_model_name or served_model_name(args.model)
     registry = CollectorRegistry()
-    metrics = ServerMetrics(registry, model_name, args.log_interval)
-    async_engine = AsyncLLMEngine(engine, args.max_waiting, observers=[metrics.observe])
+    make_metrics = partial(ServerMetrics, model_name=model_name, log_interval=args.log_interval)
+    if args.distributed_executor_backend == "ray":
+        from pagedserve.engine.replicas import Replicas  # Ray is imported only when asked for
+
+        async_engine = Replicas(
+            config,
+            args.data_parallel_size,
+            args.max_waiting,
+            registry,
+            make_metrics,
+            args.ray_address,
+            args.routing_policy,
+            config.cpu_binding,
+        )
+    else:
+        observers = [make_metrics(registry).observe]
+        async_engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting, observers)
     cors = None
     if args.allowed_origins is not None:
         cors = CorsPolicy(
@@ -67,8 +88,7 @@ def serve(args: argparse.Namespace, engine: LLMEngine) -> None:
     try:
         server.run()
     finally:
-        async_engine.shutdown()
-        async_engine.engine.close()
+        async_engine.close()
     if async_engine.dead_error is not None:
         sys.exit(1)
 
