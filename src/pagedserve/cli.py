@@ -30,6 +30,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="largest request body accepted; larger ones get 413",
     )
     group.add_argument("--log-interval", type=float, default=5.0, help="seconds between stat lines")
+    group.add_argument(
+        "--no-ui", action="store_true", help="no page at / (chat, and the engine at work)"
+    )
     scale = parser.add_argument_group("replicas (docs/SCALING.md)")
     scale.add_argument(
         "--data-parallel-size",

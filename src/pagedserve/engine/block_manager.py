@@ -72,6 +72,16 @@ class BlockManager:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def block_states(self) -> str:
+        """A letter a block, by block id: "s" held by several sequences, "u" by one, "c" held by
+        none but cached (findable, evicted last), "f" free. For the live page; O(blocks)."""
+        return "".join(
+            ("s" if b.ref_count > 1 else "u")
+            if b.ref_count
+            else ("c" if b.key is not None else "f")
+            for b in self.blocks
+        )
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -129,6 +129,7 @@ class LLMEngine:
             self.max_model_len,
         )
         self.step_index = 0
+        self.last_scheduled = None
         # The requests of the step running now, for the log when a step fails; empty between.
         self.step_request_ids: list[str] = []
         self._released_outside_step: list[Sequence] = []
@@ -234,6 +235,7 @@ class LLMEngine:
         timer = self.phase_timer
         timer.start()
         scheduled = self.scheduler.schedule()
+        self.last_scheduled = scheduled  # read by step observers (the server's live page)
         timer.lap("schedule")
         self.step_request_ids = [seq.request_id for seq, _ in scheduled.entries]
         self.stats.prefix_cache_queries += scheduled.prefix_queried_tokens

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,6 +30,7 @@ from pagedserve.outputs import StepOutput
 from pagedserve.server import responses
 from pagedserve.server.errors import ApiError, error_response, validation_message
 from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from pagedserve.server.live import MAX_VIEWERS, LiveFeed
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -48,6 +51,16 @@ from pagedserve.validation import FieldError
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
+UI_DIR = Path(__file__).parent / "ui"
+UI_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
+# The page runs only its own files: nothing a model writes can load or run anything.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 @dataclass
@@ -61,6 +74,9 @@ class ServerState:
     cors: CorsPolicy | None = None  # None: no CORS headers, browsers on other origins refused
     # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto" reads calls with it.
     tool_parser: str | None = None
+    # The page at / (off with --no-ui) and its feed of the engine's steps (None with replicas).
+    ui: bool = True
+    live: LiveFeed | None = None
 
 
 @dataclass
@@ -96,6 +112,9 @@ def build_app(state: ServerState) -> FastAPI:
             return error_response(503, "the engine has stopped", "server_error")
         detail = state.engine.health_detail()  # replicas: which are up ("degraded" if not all)
         return Response(status_code=200) if detail is None else JSONResponse(detail)
+
+    if state.ui:
+        _add_page(app, state)
 
     @app.get("/version")
     async def version() -> dict:
@@ -224,6 +243,45 @@ def _log_unknown_fields(body: CompletionRequest | ChatCompletionRequest) -> None
 
 # A body may send thousands of unknown fields: the log names the first few.
 _MAX_NAMED_FIELDS = 16
+
+
+def _add_page(app: FastAPI, state: ServerState) -> None:
+    """The live page (static files in server/ui) and its event stream."""
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> Response:
+        return FileResponse(UI_DIR / "index.html", headers=PAGE_HEADERS)
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def no_icon() -> Response:
+        return Response(status_code=204)
+
+    @app.get("/ui/{name}", include_in_schema=False)
+    async def page_file(name: str) -> Response:
+        if name not in UI_FILES:
+            raise ApiError(404, f"no page file {name!r}", "not_found_error")
+        return FileResponse(UI_DIR / name, media_type=UI_FILES[name], headers=PAGE_HEADERS)
+
+    @app.get("/engine/events", include_in_schema=False)
+    async def engine_events() -> Response:
+        if state.live is None:
+            raise ApiError(
+                404, "the live feed shows one engine; replicas have none", "not_found_error"
+            )
+        if state.live.num_viewers >= MAX_VIEWERS:
+            raise ApiError(503, f"at most {MAX_VIEWERS} viewers at once", "server_busy")
+        snapshots = state.live.watch()
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for snapshot in snapshots:
+                    yield f"data: {json.dumps(snapshot, separators=(',', ':'))}\n\n"
+            finally:
+                await snapshots.aclose()
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -12,11 +12,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.server.errors import error_response
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
-_KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
+_KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/engine")
 
 
 class RequestGuard:
-    """ASGI middleware: the API's paths (/v1, /tokenize, /detokenize) need
+    """ASGI middleware: the API's paths (/v1, /tokenize, /detokenize, /engine) need
     `Authorization: Bearer KEY` when a key is set
     (compared in constant time); every body is read here, up to max_body_bytes (413 beyond), and
     handed on whole."""

@@ -22,6 +22,7 @@ from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.model.source import DEFAULT_GGUF_FILE, hub_name
 from pagedserve.server.app import CorsPolicy, ServerState, build_app
+from pagedserve.server.live import LiveFeed
 from pagedserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagedserve.serve")
@@ -49,6 +50,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     if args.ray_address is not None and args.distributed_executor_backend != "ray":
         raise ValueError("ray_address needs --distributed-executor-backend ray")
     model_name = args.served_model_name or served_model_name(args.model)
+    live = None
     registry = CollectorRegistry()
     make_metrics = partial(ServerMetrics, model_name=model_name, log_interval=args.log_interval)
     if args.distributed_executor_backend == "ray":
@@ -65,8 +67,12 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> None:
             config.cpu_binding,
         )
     else:
-        observers = [make_metrics(registry).observe]
-        async_engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting, observers)
+        engine = LLMEngine(config)
+        metrics = make_metrics(registry)
+        live = LiveFeed(engine, metrics)
+        async_engine = AsyncLLMEngine(
+            engine, args.max_waiting, observers=[metrics.observe, live.observe]
+        )
     cors = None
     if args.allowed_origins is not None:
         cors = CorsPolicy(
@@ -74,7 +80,15 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         )
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     state = ServerState(
-        async_engine, model_name, args.api_key, registry, args.max_request_bytes, cors, parser
+        async_engine,
+        model_name,
+        args.api_key,
+        registry,
+        args.max_request_bytes,
+        cors,
+        parser,
+        ui=not args.no_ui,
+        live=live,
     )
     server = uvicorn.Server(
         uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning")
