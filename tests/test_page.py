@@ -77,7 +77,10 @@ def test_the_page_and_its_files_carry_a_policy_that_runs_only_their_own_script(s
         .startswith("text/javascript")
     )
     assert httpx.get(server.base_url + "/ui/secrets.txt").status_code == 404
-    assert httpx.get(server.base_url + "/engine/events").status_code == 401
+    # Without the key nothing but the page's own files answers.
+    for path in ("/engine/events", "/v1/models", "/tokenize"):
+        assert httpx.get(server.base_url + path).status_code == 401
+    assert httpx.post(server.base_url + "/v1/chat/completions", json={}).status_code == 401
 
 
 def test_a_chat_streams_the_answer_the_api_gives_and_persists(page, server):
@@ -146,12 +149,23 @@ def test_stop_aborts_the_request_on_the_server(page, server):
     assert metric(server.base_url, "pagedserve:generation_tokens_total") == generated
 
 
-def test_a_burst_fills_seats_step_by_step_and_the_block_map(page):
-    page.fill("#burst-size", "12")
+def test_a_burst_fills_seats_step_by_step_and_the_block_map(page, server):
+    page.fill("#burst-size", "16")
     page.click("#burst button")
-    expect(page.locator("#burst-status")).to_have_text("12 of 12 answered", timeout=120_000)
+    expect(page.locator("#burst-status")).to_have_text("16 of 16 answered", timeout=120_000)
     assert int(page.locator("#stat-seats").inner_text()) >= 2
     assert int(page.locator("#stat-step").inner_text()) > 0
+    # At rest, the page's counts are /metrics' own.
+    expect(page.locator("#stat-running")).to_have_text("0")
+    expect(page.locator("#stat-waiting")).to_have_text("0")
+    kv = page.locator("#kv-counts").inner_text()
+    used, shared, cached, free = (int(n) for n in re.findall(r"\d+", kv))
+    usage = metric(server.base_url, "pagedserve:kv_cache_usage_perc")
+    assert used + shared == round(usage * (used + shared + cached + free)) == 0
+    assert cached > 0  # the burst's prompts stay findable
+    hits = metric(server.base_url, "pagedserve:prefix_cache_hits_total")
+    queries = metric(server.base_url, "pagedserve:prefix_cache_queries_total")
+    expect(page.locator("#stat-hits")).to_have_text(f"{100 * hits / queries:.1f}%")
     expect(page.locator("#kv-counts")).to_contain_text("used")
     expect(page.locator("#latency tr")).to_have_count(3)
     expect(page.locator("#latency tr").first).to_contain_text("ms")

@@ -52,7 +52,9 @@ class LiveFeed:
             self._seen_step = engine.step_index
             self._record_step(engine)
         now = time.monotonic()
-        if now - self._last_publish >= PUBLISH_SECONDS:
+        # The state the engine rests in is always sent, however soon after the last snapshot.
+        idle = not engine.has_unfinished_requests()
+        if now - self._last_publish >= PUBLISH_SECONDS or (idle and self._steps):
             self._last_publish = now
             self._publish(self._snapshot(engine))
 
