@@ -117,6 +117,55 @@ CHAT = _bodies(
     },
 )
 
+TEXT_BLOCK = st.fixed_dictionaries({"type": st.just("text"), "text": texts})
+ANTHROPIC_BLOCK = st.one_of(
+    TEXT_BLOCK,
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["tool_use", "tool_result", "image", "thinking", "x"])},
+        optional={"id": texts, "name": texts, "input": wrong, "tool_use_id": texts,
+                  "content": st.one_of(texts, st.lists(TEXT_BLOCK, max_size=2), wrong)},
+    ),
+    wrong,
+)  # fmt: skip
+ANTHROPIC_MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.one_of(st.sampled_from(["user", "assistant", "system"]), texts),
+        "content": st.one_of(texts, st.lists(ANTHROPIC_BLOCK, max_size=3), wrong),
+    }
+)
+ANTHROPIC_TOOL = st.fixed_dictionaries(
+    {"name": st.one_of(st.just("f"), texts), "input_schema": st.one_of(
+        st.just({"type": "object", "properties": {"a": {"type": "string"}}}), wrong)},
+)  # fmt: skip
+MESSAGES = _bodies(
+    {**BASE, "model": st.just("tiny"), "messages": st.just([{"role": "user", "content": "Hi"}])},
+    {
+        "max_tokens": SAMPLING_FIELDS["max_tokens"],
+        "temperature": SAMPLING_FIELDS["temperature"],
+        "top_p": SAMPLING_FIELDS["top_p"],
+        "top_k": SAMPLING_FIELDS["top_k"],
+        "stop_sequences": st.one_of(st.lists(texts, max_size=5), wrong),
+        "system": st.one_of(texts, st.lists(TEXT_BLOCK, max_size=2), wrong),
+        "messages": st.one_of(st.lists(ANTHROPIC_MESSAGE, min_size=0, max_size=4), wrong),
+        "tools": st.one_of(st.lists(ANTHROPIC_TOOL, max_size=2), wrong),
+        "tool_choice": st.one_of(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["auto", "any", "tool", "none"])},
+                optional={"name": st.one_of(st.just("f"), texts)},
+            ),
+            wrong,
+        ),
+        "output_config": st.one_of(
+            st.just({"format": {"type": "json_schema", "schema": {"type": "object"}}}), wrong
+        ),
+        "metadata": wrong,
+        "thinking": wrong,
+        "stream": st.booleans(),
+        "model": st.one_of(st.just("tiny"), texts, wrong),
+        "unknown_field": wrong,
+    },
+)
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoint):
@@ -141,6 +190,9 @@ def _greedy_text(base_url: str) -> str:
 
 def _check_answer(response: httpx.Response, streamed: bool) -> None:
     assert response.status_code < 500, response.text[:500]
+    if response.url.path.startswith("/v1/messages"):
+        _check_anthropic_answer(response, streamed)
+        return
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
@@ -151,6 +203,20 @@ def _check_answer(response: httpx.Response, streamed: bool) -> None:
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert not any('"error"' in event[:12] for event in events)
+
+
+def _check_anthropic_answer(response: httpx.Response, streamed: bool) -> None:
+    """Anthropic's shapes: an error body of type "error", or a stream ending in message_stop."""
+    if response.status_code >= 400:
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        return
+    if streamed:
+        kinds = [line[7:] for line in response.text.splitlines() if line.startswith("event: ")]
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+        assert "error" not in kinds
+    else:
+        assert response.json()["type"] == "message"
 
 
 def _post(base_url: str, path: str, body: dict) -> None:
@@ -191,6 +257,10 @@ def test_fuzzed_chat_completions_never_stop_the_engine(server):
     _fuzz(server, "/v1/chat/completions", CHAT)
 
 
+def test_fuzzed_anthropic_messages_never_stop_the_engine(server):
+    _fuzz(server, "/v1/messages", MESSAGES)
+
+
 # Every field of a good sampled request set, one at a time, to each of these.
 EDGES = [
     *BIG_INTS, *EDGE_FLOATS, -1, 0, None, True, "", "x", "\ud800", "a\udfffb", "<|im_end|>",
@@ -205,6 +275,13 @@ SWEEPS = {
         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 1.0},
         [*SAMPLING_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
          "message.role", "message.content", "message.name"],
+    ),
+    "/v1/messages": (
+        {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+         "temperature": 1.0},
+        ["max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "system", "messages",
+         "tools", "tool_choice", "output_config", "metadata", "stream", "model",
+         "message.role", "message.content"],
     ),
 }  # fmt: skip
 

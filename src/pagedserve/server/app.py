@@ -27,8 +27,13 @@ from pagedserve.engine.async_engine import (
     sub_request_ids,
 )
 from pagedserve.outputs import StepOutput
-from pagedserve.server import responses
-from pagedserve.server.errors import ApiError, error_response, validation_message
+from pagedserve.server import messages, responses
+from pagedserve.server.errors import (
+    ApiError,
+    error_response,
+    error_response_for,
+    validation_message,
+)
 from pagedserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from pagedserve.server.live import MAX_VIEWERS, LiveFeed
 from pagedserve.server.protocol import (
@@ -157,33 +162,32 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(state, body.model)
-        _log_unknown_fields(body)
-        try:
-            params = body.sampling_params(
-                body.requested_max_tokens(), body.requested_logprobs(), body.prompt_logprobs
-            )
-        except ValidationError as error:
-            message, param = validation_message(error)
-            if param == "max_tokens" and body.max_completion_tokens is not None:
-                message = message.replace("max_tokens", "max_completion_tokens")
-                raise FieldError("max_completion_tokens", message) from None
-            raise
-        if body.tool_mode() == "auto" and state.tool_parser is None:
-            raise FieldError(
-                "tool_choice",
-                'tool_choice "auto" (the default with tools) needs the server started with '
-                '--enable-auto-tool-choice and --tool-call-parser; send tool_choice "none", '
-                '"required" or a named function otherwise',
-            )
-        prompt = {"prompt_token_ids": await asyncio.to_thread(_chat_tokens, state, body)}
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        try:
-            streams = await state.engine.add_requests([prompt], params, request_id)
-        except FieldError as error:
-            raise _as_request_field(error, body) from None
-        run = _ChatCompletion(state.model_name, request_id, body, streams, state.tool_parser)
+        run, streams = await start_chat(state, body)
         return await _respond(state, request, run, streams)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(body: messages.MessagesRequest, request: Request):
+        run, streams = await start_chat(state, body.to_chat())
+        ids = sub_request_ids(run.request_id, len(streams))
+        outputs = [stream.outputs for stream in streams]
+        name = messages.message_id()
+        if body.stream:
+            events = messages.events(run.chunks(outputs), body.model, name, run.prompt_tokens())
+            return _AbortingStream(events, state.engine, ids)
+        try:
+            whole = await _unless_disconnected(request, run.response(outputs))
+        finally:
+            for sub_id in ids:
+                state.engine.abort(sub_id)
+        if isinstance(whole, Response):
+            return whole
+        return messages.to_message(whole, body.model, name)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(body: messages.CountTokensRequest) -> dict:
+        chat = body.to_chat()
+        _check_model(state, chat.model)
+        return {"input_tokens": len(await asyncio.to_thread(_chat_tokens, state, chat))}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -286,33 +290,73 @@ def _add_page(app: FastAPI, state: ServerState) -> None:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, error: ApiError):
-        return error_response(error.status, error.message, error.kind, error.param)
+    async def api_error(request: Request, error: ApiError):
+        return error_response_for(
+            request.url.path, error.status, error.message, error.kind, error.param
+        )
 
     @app.exception_handler(RequestValidationError)
-    async def request_invalid(_: Request, error: RequestValidationError):
+    async def request_invalid(request: Request, error: RequestValidationError):
         message, param = validation_message(error, skip=("body",))
-        return error_response(400, message, "invalid_request_error", param)
+        return error_response_for(request.url.path, 400, message, "invalid_request_error", param)
 
     @app.exception_handler(ValueError)
-    async def value_error(_: Request, error: ValueError):
+    async def value_error(request: Request, error: ValueError):
         if isinstance(error, ValidationError):
             message, param = validation_message(error)
-            return error_response(400, message, "invalid_request_error", param)
+            return error_response_for(
+                request.url.path, 400, message, "invalid_request_error", param
+            )
         param = getattr(error, "field", None)  # FieldError's
-        return error_response(400, str(error), "invalid_request_error", param)
+        return error_response_for(request.url.path, 400, str(error), "invalid_request_error", param)
 
     @app.exception_handler(QueueFullError)
-    async def queue_full(_: Request, error: QueueFullError):
-        return error_response(503, f"server busy: {error}", "server_busy")
+    async def queue_full(request: Request, error: QueueFullError):
+        return error_response_for(request.url.path, 503, f"server busy: {error}", "server_busy")
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, error: EngineDeadError):
-        return error_response(500, str(error), "server_error")
+    async def engine_dead(request: Request, error: EngineDeadError):
+        return error_response_for(request.url.path, 500, str(error), "server_error")
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException):
-        return error_response(error.status_code, str(error.detail), "invalid_request_error")
+    async def http_error(request: Request, error: StarletteHTTPException):
+        return error_response_for(
+            request.url.path, error.status_code, str(error.detail), "invalid_request_error"
+        )
+
+
+async def start_chat(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[_ChatCompletion, list[RequestStream]]:
+    """Validates and submits a chat request; the run that answers it, and its streams. Every
+    API that chats (OpenAI's chat completions, Anthropic's Messages) comes through here."""
+    _check_model(state, body.model)
+    _log_unknown_fields(body)
+    try:
+        params = body.sampling_params(
+            body.requested_max_tokens(), body.requested_logprobs(), body.prompt_logprobs
+        )
+    except ValidationError as error:
+        message, param = validation_message(error)
+        if param == "max_tokens" and body.max_completion_tokens is not None:
+            message = message.replace("max_tokens", "max_completion_tokens")
+            raise FieldError("max_completion_tokens", message) from None
+        raise
+    if body.tool_mode() == "auto" and state.tool_parser is None:
+        raise FieldError(
+            "tool_choice",
+            'tool_choice "auto" (the default with tools) needs the server started with '
+            '--enable-auto-tool-choice and --tool-call-parser; send tool_choice "none", '
+            '"required" or a named function otherwise',
+        )
+    prompt = {"prompt_token_ids": await asyncio.to_thread(_chat_tokens, state, body)}
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    try:
+        streams = await state.engine.add_requests([prompt], params, request_id)
+    except FieldError as error:
+        raise _as_request_field(error, body) from None
+    run = _ChatCompletion(state.model_name, request_id, body, streams, state.tool_parser)
+    return run, streams
 
 
 def _check_model(state: ServerState, model: str | None) -> None:

@@ -39,6 +39,32 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return _AsciiJSONResponse(error_body(message, kind, param, status), status, headers=headers)
 
 
+# Anthropic's error type for each status its SDK maps to an exception.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def error_response_for(path: str, status: int, message: str, kind: str, param: str | None = None):
+    """The error in the shape of the API the path belongs to: Anthropic's for /v1/messages
+    (a field named in the message), OpenAI's elsewhere."""
+    if not path.startswith(ANTHROPIC_PATHS):
+        return error_response(status, message, kind, param)
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+    if param is not None and param not in message:
+        message = f"{param}: {message}"
+    headers = {"Retry-After": "1"} if status == 503 else None
+    body = {"type": "error", "error": {"type": kind, "message": message}}
+    return _AsciiJSONResponse(body, status, headers=headers)
+
+
 def validation_message(error, skip: tuple[str, ...] = (), within: str = "") -> tuple[str, str]:
     """(message, param) of a pydantic ValidationError or FastAPI's RequestValidationError: the
     first few problems, each 'field: what is wrong', and the first field named. skip: location

@@ -9,7 +9,7 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.server.errors import error_response
+from pagedserve.server.errors import error_response_for
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 _KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/engine")
@@ -17,13 +17,14 @@ _KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/engine")
 
 class RequestGuard:
     """ASGI middleware: the API's paths (/v1, /tokenize, /detokenize, /engine) need
-    `Authorization: Bearer KEY` when a key is set
+    `Authorization: Bearer KEY` or `x-api-key: KEY` when a key is set
     (compared in constant time); every body is read here, up to max_body_bytes (413 beyond), and
     handed on whole."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
         self.app = app
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.api_key = None if api_key is None else api_key.encode()
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -32,9 +33,15 @@ class RequestGuard:
             return
         headers = Headers(scope=scope)
         if self.expected is not None and scope["path"].startswith(_KEYED_PATHS):
-            given = headers.get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "missing or wrong API key", "authentication_error")
+            # Anthropic's clients send the key as x-api-key; both are compared, in constant time.
+            bearer = headers.get("authorization", "").encode("latin-1")
+            key = headers.get("x-api-key", "").encode("latin-1")
+            by_bearer = hmac.compare_digest(bearer, self.expected)
+            by_key = hmac.compare_digest(key, self.api_key)
+            if not (by_bearer or by_key):
+                response = error_response_for(
+                    scope["path"], 401, "missing or wrong API key", "authentication_error"
+                )
                 await response(scope, receive, send)
                 return
         declared = headers.get("content-length")
@@ -58,7 +65,8 @@ class RequestGuard:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"the request body exceeds {self.max_body_bytes} bytes (--max-request-bytes)"
-        await error_response(413, message, "invalid_request_error")(scope, receive, send)
+        response = error_response_for(scope["path"], 413, message, "invalid_request_error")
+        await response(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
