@@ -166,6 +166,45 @@ MESSAGES = _bodies(
     },
 )
 
+RESPONSE_ITEM = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.one_of(st.sampled_from(["user", "assistant", "system", "developer"]), texts),
+         "content": st.one_of(texts, st.lists(st.fixed_dictionaries(
+             {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+              "text": texts}), max_size=2), wrong)},
+        optional={"type": st.just("message")},
+    ),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": texts, "name": texts,
+                           "arguments": texts}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": texts,
+                           "output": st.one_of(texts, wrong)}),
+    wrong,
+)  # fmt: skip
+RESPONSES = _bodies(
+    {**{k: v for k, v in BASE.items() if k != "max_tokens"}, "model": st.just("tiny"),
+     "input": st.just("Hi"), "max_output_tokens": st.integers(1, 12)},
+    {
+        "input": st.one_of(texts, st.lists(RESPONSE_ITEM, max_size=4), wrong),
+        "instructions": st.one_of(texts, wrong),
+        "max_output_tokens": SAMPLING_FIELDS["max_tokens"],
+        "temperature": SAMPLING_FIELDS["temperature"],
+        "top_p": SAMPLING_FIELDS["top_p"],
+        "tools": st.one_of(st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["function", "web_search", "x"]), "name": texts}),
+            max_size=2), wrong),
+        "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]),
+                                 st.fixed_dictionaries({"type": st.just("function"),
+                                                        "name": texts}), wrong),
+        "text": st.one_of(st.just({"format": {"type": "json_object"}}), wrong),
+        "previous_response_id": st.one_of(texts, wrong),
+        "store": st.one_of(st.booleans(), wrong),
+        "metadata": wrong,
+        "stream": st.booleans(),
+        "model": st.one_of(st.just("tiny"), texts, wrong),
+        "unknown_field": wrong,
+    },
+)  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoint):
@@ -192,6 +231,11 @@ def _check_answer(response: httpx.Response, streamed: bool) -> None:
     assert response.status_code < 500, response.text[:500]
     if response.url.path.startswith("/v1/messages"):
         _check_anthropic_answer(response, streamed)
+        return
+    if response.url.path == "/v1/responses" and streamed and response.status_code == 200:
+        kinds = [line[7:] for line in response.text.splitlines() if line.startswith("event: ")]
+        assert kinds[0] == "response.created", kinds
+        assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
         return
     if response.status_code >= 400:
         error = response.json()["error"]
@@ -261,6 +305,10 @@ def test_fuzzed_anthropic_messages_never_stop_the_engine(server):
     _fuzz(server, "/v1/messages", MESSAGES)
 
 
+def test_fuzzed_responses_never_stop_the_engine(server):
+    _fuzz(server, "/v1/responses", RESPONSES)
+
+
 # Every field of a good sampled request set, one at a time, to each of these.
 EDGES = [
     *BIG_INTS, *EDGE_FLOATS, -1, 0, None, True, "", "x", "\ud800", "a\udfffb", "<|im_end|>",
@@ -282,6 +330,11 @@ SWEEPS = {
         ["max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "system", "messages",
          "tools", "tool_choice", "output_config", "metadata", "stream", "model",
          "message.role", "message.content"],
+    ),
+    "/v1/responses": (
+        {"model": "tiny", "input": "Hi", "max_output_tokens": 3, "temperature": 1.0},
+        ["input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
+         "tool_choice", "text", "previous_response_id", "store", "metadata", "stream", "model"],
     ),
 }  # fmt: skip
 

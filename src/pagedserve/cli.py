@@ -31,6 +31,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--log-interval", type=float, default=5.0, help="seconds between stat lines")
     group.add_argument(
+        "--max-stored-responses",
+        type=_positive_int,
+        default=1024,
+        help="responses kept for previous_response_id and GET /v1/responses/{id} (LRU)",
+    )
+    group.add_argument(
         "--no-ui", action="store_true", help="no page at / (chat, and the engine at work)"
     )
     scale = parser.add_argument_group("replicas (docs/SCALING.md)")

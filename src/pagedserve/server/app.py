@@ -27,7 +27,7 @@ from pagedserve.engine.async_engine import (
     sub_request_ids,
 )
 from pagedserve.outputs import StepOutput
-from pagedserve.server import messages, responses
+from pagedserve.server import messages, responses, responses_api
 from pagedserve.server.errors import (
     ApiError,
     error_response,
@@ -82,6 +82,8 @@ class ServerState:
     # The page at / (off with --no-ui) and its feed of the engine's steps (None with replicas).
     ui: bool = True
     live: LiveFeed | None = None
+    # Responses kept for GET /v1/responses/{id} and previous_response_id (--max-stored-responses).
+    stored: responses_api.ResponseStore = field(default_factory=responses_api.ResponseStore)
 
 
 @dataclass
@@ -174,14 +176,48 @@ def build_app(state: ServerState) -> FastAPI:
         if body.stream:
             events = messages.events(run.chunks(outputs), body.model, name, run.prompt_tokens())
             return _AbortingStream(events, state.engine, ids)
-        try:
-            whole = await _unless_disconnected(request, run.response(outputs))
-        finally:
-            for sub_id in ids:
-                state.engine.abort(sub_id)
+        whole = await _whole(state, request, run, outputs, ids)
         if isinstance(whole, Response):
             return whole
         return messages.to_message(whole, body.model, name)
+
+    @app.post("/v1/responses")
+    async def create_response(body: responses_api.ResponsesRequest, request: Request):
+        earlier = []
+        if body.previous_response_id is not None:
+            stored = state.stored.get(body.previous_response_id, "previous_response_id")
+            earlier = stored.messages
+        chat = body.to_chat(earlier)
+        run, streams = await start_chat(state, chat)
+        ids = sub_request_ids(run.request_id, len(streams))
+        outputs = [stream.outputs for stream in streams]
+        response = responses_api.envelope(
+            body, responses_api.new_ids(), state.model_name, "in_progress"
+        )
+
+        def keep(finished: dict) -> None:
+            if body.store:
+                messages = responses_api.continuation(chat, finished)
+                state.stored.put(finished["id"], responses_api.Stored(finished, messages))
+
+        if body.stream:
+            events = responses_api.events(run.chunks(outputs), response, keep)
+            return _AbortingStream(events, state.engine, ids)
+        whole = await _whole(state, request, run, outputs, ids)
+        if isinstance(whole, Response):
+            return whole
+        finished = responses_api.to_response(whole, response)
+        keep(finished)
+        return finished
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return state.stored.get(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        state.stored.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(body: messages.CountTokensRequest) -> dict:
@@ -445,6 +481,16 @@ async def _respond(
     outputs = [stream.outputs for stream in streams]
     if run.body.stream:
         return _AbortingStream(run.chunks(outputs), state.engine, ids)
+    try:
+        return await _unless_disconnected(request, run.response(outputs))
+    finally:
+        for sub_id in ids:
+            state.engine.abort(sub_id)
+
+
+async def _whole(state: ServerState, request: Request, run: _Completion, outputs, ids):
+    """A chat run's whole answer (a dict), or the response for a client gone meanwhile; what is
+    left unread is aborted."""
     try:
         return await _unless_disconnected(request, run.response(outputs))
     finally:

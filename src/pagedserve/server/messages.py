@@ -16,6 +16,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedserve.server.chat_stream import (
+    CallDelta,
+    StreamError,
+    TextDelta,
+    Usage,
+    chat_events,
+)
 from pagedserve.server.protocol import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest
 from pagedserve.validation import FieldError
 
@@ -264,40 +271,29 @@ async def events(
     blocks = _Blocks()
     stop: tuple[str | None, str | None] = (None, None)
     output_tokens = 0
-    async for text in chunks:
-        data = text.removeprefix("data: ").strip()
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
-        if "error" in chunk:
-            yield _event(
-                "error", {"error": {"type": "api_error", "message": chunk["error"]["message"]}}
-            )
+    async for event in chat_events(chunks):
+        if isinstance(event, StreamError):
+            yield _event("error", {"error": {"type": "api_error", "message": event.message}})
             return
-        if chunk.get("usage"):
-            output_tokens = chunk["usage"]["completion_tokens"]
-        for choice in chunk.get("choices", []):
-            delta = choice.get("delta", {})
-            if delta.get("content"):
-                for event in blocks.open("text", {"type": "text", "text": ""}):
-                    yield event
-                text_delta = {"type": "text_delta", "text": delta["content"]}
-                yield _event("content_block_delta", {"index": blocks.index, "delta": text_delta})
-            for call in delta.get("tool_calls") or []:
-                if call["index"] not in blocks.calls:
-                    function = call.get("function", {})
-                    started = {"type": "tool_use", "id": call.get("id"),
-                               "name": function.get("name"), "input": {}}  # fmt: skip
-                    for event in blocks.open("tool_use", started):
-                        yield event
-                    blocks.calls[call["index"]] = blocks.index
-                arguments = call.get("function", {}).get("arguments")
-                if arguments:
-                    json_delta = {"type": "input_json_delta", "partial_json": arguments}
-                    index = blocks.calls[call["index"]]
-                    yield _event("content_block_delta", {"index": index, "delta": json_delta})
-            if choice.get("finish_reason"):
-                stop = _stop(choice, bool(blocks.calls))
+        if isinstance(event, Usage):
+            output_tokens = event.completion_tokens
+        elif isinstance(event, TextDelta):
+            for started in blocks.open("text", {"type": "text", "text": ""}):
+                yield started
+            delta = {"type": "text_delta", "text": event.text}
+            yield _event("content_block_delta", {"index": blocks.index, "delta": delta})
+        elif isinstance(event, CallDelta):
+            if event.index not in blocks.calls:
+                block = {"type": "tool_use", "id": event.id, "name": event.name, "input": {}}
+                for started in blocks.open("tool_use", block):
+                    yield started
+                blocks.calls[event.index] = blocks.index
+            if event.arguments:
+                delta = {"type": "input_json_delta", "partial_json": event.arguments}
+                index = blocks.calls[event.index]
+                yield _event("content_block_delta", {"index": index, "delta": delta})
+        else:
+            stop = _stop(event.choice, bool(blocks.calls))
     for event in blocks.close():
         yield event
     final = {"stop_reason": stop[0], "stop_sequence": stop[1]}

@@ -24,6 +24,7 @@ from pagedserve.model.source import DEFAULT_GGUF_FILE, hub_name
 from pagedserve.server.app import CorsPolicy, ServerState, build_app
 from pagedserve.server.live import LiveFeed
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.responses_api import ResponseStore
 
 logger = logging.getLogger("pagedserve.serve")
 _ENGINE_CHECK_SECONDS = 0.2
@@ -89,6 +90,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         parser,
         ui=not args.no_ui,
         live=live,
+        stored=ResponseStore(args.max_stored_responses),
     )
     server = uvicorn.Server(
         uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning")
