@@ -7,11 +7,12 @@ else used the server meanwhile). Works for any server that names its TTFT histog
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from pagedserve.histogram import histogram_quantile
 
 TTFT_SUFFIX = "time_to_first_token_seconds"
 
@@ -32,18 +33,7 @@ class Histogram:
 
     def quantile(self, q: float) -> float | None:
         """Estimated as Prometheus' histogram_quantile: linear within the bucket."""
-        if self.count == 0:
-            return None
-        rank = q * self.count
-        lower, below = 0.0, 0.0
-        for bound, cumulative in zip(self.bounds, self.counts, strict=True):
-            if cumulative >= rank:
-                if math.isinf(bound):
-                    return lower  # beyond the last finite bucket: its bound is all we know
-                inside = cumulative - below
-                return lower + (bound - lower) * (rank - below) / inside if inside else bound
-            lower, below = bound, cumulative
-        return lower
+        return histogram_quantile(self.bounds, self.counts, q)
 
     def bucket_counts(self) -> list[float]:
         """Observations per bucket (not cumulative)."""

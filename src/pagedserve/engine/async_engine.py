@@ -35,6 +35,16 @@ def sub_request_ids(request_id: str, count: int) -> list[str]:
     return [f"{request_id}-{index}" for index in range(count)]
 
 
+def check_prompt_count(count: int, max_waiting: int) -> None:
+    """A request of more prompts than the queue can ever hold is refused outright."""
+    if count > max_waiting:
+        raise FieldError(
+            "prompt",
+            f"prompt holds {count} prompts; this server queues at most {max_waiting} requests "
+            "(--max-waiting)",
+        )
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at its limit; the caller should retry later."""
 
@@ -112,12 +122,7 @@ class AsyncLLMEngine:
         prompts than the queue can ever hold, QueueFullError while the queue has no room for
         all of them. Closing an iterator early aborts its request; one that is never iterated
         must be ended with abort()."""
-        if len(prompts) > self.max_waiting:
-            raise FieldError(
-                "prompt",
-                f"prompt holds {len(prompts)} prompts; this server queues at most "
-                f"{self.max_waiting} requests (--max-waiting)",
-            )
+        check_prompt_count(len(prompts), self.max_waiting)
         self._raise_if_dead()
         ids = request_ids or sub_request_ids(request_id, len(prompts))
         seqs = await asyncio.to_thread(self._make_sequences, prompts, params, ids)

@@ -42,6 +42,7 @@ from pagedserve.engine.async_engine import (
     QueueFullError,
     RequestStream,
     StepObserver,
+    check_prompt_count,
     sub_request_ids,
 )
 from pagedserve.engine.block_manager import BlockManager
@@ -51,7 +52,6 @@ from pagedserve.engine.router import ROUTING_POLICIES, Router, prompt_block_hash
 from pagedserve.engine.tensor_parallel import core_shares
 from pagedserve.outputs import StepOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.validation import FieldError
 
 logger = logging.getLogger(__name__)
 _PING_SECONDS = 0.5  # how often the health thread asks every replica
@@ -214,12 +214,7 @@ class Replicas:
     ) -> list[RequestStream]:
         """As AsyncLLMEngine.add_requests: validated here, each prompt (with its n samples) sent
         to one replica."""
-        if len(prompts) > self.max_waiting:
-            raise FieldError(
-                "prompt",
-                f"prompt holds {len(prompts)} prompts; this server queues at most "
-                f"{self.max_waiting} requests (--max-waiting)",
-            )
+        check_prompt_count(len(prompts), self.max_waiting)
         ids = sub_request_ids(request_id, len(prompts))
         seqs = await asyncio.to_thread(
             lambda: [

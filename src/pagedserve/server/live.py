@@ -14,11 +14,11 @@ leave the running set, so the page draws continuous batching as rows refilled st
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator
 
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.histogram import histogram_quantile
 from pagedserve.outputs import StepOutput
 from pagedserve.server.metrics import ServerMetrics
 
@@ -144,20 +144,8 @@ def _offer(queue: asyncio.Queue, snapshot: dict) -> None:
 
 
 def _quantile_ms(histogram, q: float) -> float | None:
-    """As Prometheus' histogram_quantile: linear within the bucket holding the rank."""
-    buckets = [(s.labels["le"], s.value) for metric in histogram.collect()
+    """A prometheus_client histogram's q-quantile in milliseconds."""
+    buckets = [(float(s.labels["le"]), s.value) for metric in histogram.collect()
                for s in metric.samples if s.name.endswith("_bucket")]  # fmt: skip
-    total = buckets[-1][1] if buckets else 0
-    if total == 0:
-        return None
-    rank = q * total
-    lower, below = 0.0, 0.0
-    for le, cumulative in buckets:
-        bound = float(le)
-        if cumulative >= rank:
-            if math.isinf(bound):
-                return 1000 * lower
-            inside = cumulative - below
-            return 1000 * (lower + (bound - lower) * (rank - below) / inside)
-        lower, below = bound, cumulative
-    return 1000 * lower
+    seconds = histogram_quantile([b for b, _ in buckets], [c for _, c in buckets], q)
+    return None if seconds is None else 1000 * seconds

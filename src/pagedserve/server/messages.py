@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pagedserve.server.chat_stream import (
     CallDelta,
@@ -23,33 +23,29 @@ from pagedserve.server.chat_stream import (
     Usage,
     chat_events,
 )
-from pagedserve.server.protocol import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest
+from pagedserve.server.protocol import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, Lenient
 from pagedserve.validation import FieldError
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class TextBlock(_Open):
+class TextBlock(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ImageBlock(_Open):
+class ImageBlock(Lenient):
     type: Literal["image", "document"]
 
 
-class ToolUseBlock(_Open):
+class ToolUseBlock(Lenient):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Open):
+class ToolResultBlock(Lenient):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock] = ""
@@ -61,34 +57,34 @@ Block = Annotated[
 ]
 
 
-class Message(_Open):
+class Message(Lenient):
     role: Literal["user", "assistant"]
     content: str | Annotated[list[Block], Field(max_length=1024)]
 
 
-class ToolDefinition(_Open):
+class ToolDefinition(Lenient):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Open):
+class ToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class OutputFormat(_Open):
+class OutputFormat(Lenient):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Open):
+class OutputConfig(Lenient):
     format: OutputFormat | None = None
     effort: str | None = None  # accepted; a model without a reasoning mode has nothing to set
 
 
-class MessagesRequest(_Open):
+class MessagesRequest(Lenient):
     model: str
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: Annotated[int, Field(ge=1)]

@@ -46,7 +46,7 @@ MAX_CONTENT_PARTS = 4096
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     """Unknown fields kept aside (model_extra) to be named in the log, not refused."""
 
     model_config = ConfigDict(extra="allow")
@@ -59,13 +59,13 @@ def _refused(field: str, what: str):
     return ValueError(f"{field}: {what} is not supported by this server yet")
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool = False
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(Lenient):
     """OpenAI's response_format.json_schema."""
 
     name: str | None = None
@@ -74,7 +74,7 @@ class JsonSchemaFormat(_Lenient):
     strict: bool | None = None  # the schema is always enforced exactly
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -92,7 +92,7 @@ class ResponseFormat(_Lenient):
         return None
 
 
-class _GenerationRequest(_Lenient):
+class _GenerationRequest(Lenient):
     """The sampling fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -300,33 +300,33 @@ class TextPart(BaseModel):
     text: str
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(Lenient):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None  # the parameters are always enforced exactly when held to them
 
 
-class Tool(_Lenient):
+class Tool(Lenient):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Lenient):
+class FunctionName(Lenient):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(Lenient):
     name: str
     arguments: str  # a JSON object's text, as OpenAI sends it
 
 
-class ToolCallMessage(_Lenient):
+class ToolCallMessage(Lenient):
     """A call in an assistant message of the conversation so far."""
 
     id: str | None = None
@@ -334,7 +334,7 @@ class ToolCallMessage(_Lenient):
     function: FunctionCall
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # None only in an assistant message that makes tool calls.
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
@@ -454,7 +454,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.top_logprobs or 0
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
     """vLLM's /tokenize: a prompt (special tokens added, as for a completion) or messages (through
     the chat template, as for a chat)."""
 
@@ -475,7 +475,7 @@ class TokenizeRequest(_Lenient):
         return self
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(Lenient):
     model: str | None = None
     tokens: list[int]
 

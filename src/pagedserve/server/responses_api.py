@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pagedserve.server.chat_stream import (
     CallDelta,
@@ -28,35 +28,31 @@ from pagedserve.server.chat_stream import (
     chat_events,
 )
 from pagedserve.server.errors import ApiError
-from pagedserve.server.protocol import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest
+from pagedserve.server.protocol import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, Lenient
 from pagedserve.validation import FieldError
 
 DEFAULT_MAX_STORED_RESPONSES = 1024
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class ContentPart(_Open):
+class ContentPart(Lenient):
     type: Literal["input_text", "output_text", "input_image", "input_file"]
     text: str | None = None
 
 
-class MessageItem(_Open):
+class MessageItem(Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | Annotated[list[ContentPart], Field(max_length=1024)]
 
 
-class FunctionCallItem(_Open):
+class FunctionCallItem(Lenient):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(_Open):
+class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
     call_id: str
     output: str
@@ -65,29 +61,29 @@ class FunctionCallOutputItem(_Open):
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
-class FunctionTool(_Open):
+class FunctionTool(Lenient):
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class NamedFunction(_Open):
+class NamedFunction(Lenient):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Open):
+class TextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
-class TextConfig(_Open):
+class TextConfig(Lenient):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(Lenient):
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
