@@ -17,6 +17,7 @@ from gguf_quantize import mixed_type, requantized_default_gguf
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.tensor_parallel import core_shares
+from pagedserve.model.parallel import TensorParallel
 
 PROMPT_LENGTHS = (1, 5, 16, 17, 33, 48, 70, 130)
 NEW_TOKENS = 32
@@ -52,8 +53,11 @@ def test_two_ranks_generate_what_one_does(architecture, backend, tiny_checkpoint
     one = LLM(path, **args)
     expected = _generate(one, prompts)
     two = LLM(path, tensor_parallel_size=2, distributed_backend=backend, **args)
-    parallel = two.engine.runner.model.config
+    model = two.engine.runner.model
+    parallel = model.config
     assert (parallel.num_heads, parallel.num_kv_heads, parallel.intermediate_size) == (2, 1, 64)
+    assert model.vocab == range(24576)  # rank 0's half of the embeddings and logits
+    assert model.embed_tokens.shape[0] == 24576
     assert _generate(two, prompts) == expected
     assert two.engine.scheduler.num_preemptions > 0
     assert two.engine.stats.prefix_cache_hits > 0
@@ -70,7 +74,44 @@ def test_three_ranks_cut_every_gguf_block_type_as_stored(tmp_path, monkeypatch):
     runner = three.engine.runner
     assert runner.packed_weight_dtypes == ("q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0", "q8_0")
     assert runner.model.layers[0].mlp.down_proj.weight is None  # packed from the blocks
+    # The tied embeddings' blocks: a third of the vocabulary's rows, looked up and packed.
+    assert runner.model.embedding_blocks.rows.shape[0] == 49152 // 3
     assert _generate(three, prompts) == expected
+
+
+def test_logprobs_gathered_from_the_ranks_shares_of_the_vocabulary(tiny_checkpoint):
+    # Prompt logprobs over 130 rows and 4 sampled rows: logits gathered in parts, the rows of
+    # shared memory's slot (64 tokens of 64 floats) holding one row of 24576 logits at a time.
+    args = dict(dtype="float32", max_num_batched_tokens=64, cpu_binding="none")
+    path = str(tiny_checkpoint("llama"))
+    prompts = _token_prompts()[4:8]
+    params = SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+
+    def run(llm: LLM) -> list:
+        try:
+            return llm.generate(prompts, params)
+        finally:
+            llm.close()
+
+    one, two = run(LLM(path, **args)), run(LLM(path, tensor_parallel_size=2, **args))
+    for alone, parallel in zip(one, two, strict=True):
+        assert parallel.outputs[0].token_ids == alone.outputs[0].token_ids
+        pairs = [*zip(alone.prompt_logprobs[1:], parallel.prompt_logprobs[1:], strict=True)]
+        pairs += [*zip(alone.outputs[0].logprobs, parallel.outputs[0].logprobs, strict=True)]
+        for expected, got in pairs:
+            assert got.keys() == expected.keys()
+            for token, entry in expected.items():
+                assert got[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+                # A prompt token far down the list may swap places with one within 1e-6 of it.
+                assert abs(got[token].rank - entry.rank) <= (entry.rank > 3)
+
+
+def test_the_vocabulary_is_cut_in_consecutive_shares_that_differ_by_one_at_most():
+    shares = [TensorParallel(rank, 3).vocab_range(49153) for rank in range(3)]
+    assert shares == [range(0, 16384), range(16384, 32768), range(32768, 49153)]
+    assert TensorParallel(0, 3).vocab_widths(10) == [3, 3, 4]
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_before_loading(tiny_checkpoint):

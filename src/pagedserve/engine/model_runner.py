@@ -315,12 +315,14 @@ class ModelRunner:
             hidden_size=model_config.hidden_size,
             sequences=config.max_num_seqs,
             blocks_per_sequence=-(-max_len // config.block_size) + 1,
+            vocab_share=-(-model_config.vocab_size // size),
         )
         backend = config.distributed_backend
         if backend == "auto":
             backend = "shm" if platform.machine() in ("x86_64", "AMD64") else "gloo"
         self.workers = Workers(size, backend, config.cpu_binding, limits, make_runner)
-        return TensorParallel(0, size, self.workers.channel.all_reduce)
+        channel = self.workers.channel
+        return TensorParallel(0, size, channel.all_reduce, channel.gather)
 
     def close(self) -> None:
         """Stops a tensor-parallel engine's workers."""
@@ -385,14 +387,32 @@ class ModelRunner:
             timer.lap("prepare")
             hidden = self.decode_graphs.run(input_ids, context_lens, block_tables)
             return self._finish(hidden, sampling_rows, sampling_seqs, [], timer)
+        prompt_parts = [
+            prompt_rows[begin : begin + _PROMPT_LOGITS_ROWS]
+            for begin in range(0, len(prompt_rows), _PROMPT_LOGITS_ROWS)
+        ]
         step = StepInputs(
-            batch.block_copies, input_ids, query_lens, context_lens, block_tables, long_prompts
+            batch.block_copies,
+            input_ids,
+            query_lens,
+            context_lens,
+            block_tables,
+            long_prompts,
+            prompt_parts + ([sampling_rows] if sampling_rows else []),
         )
         if self.workers is not None:
             self.workers.send(step)
         hidden = self.forward(step, timer)
-        prompt = self._prompt_logprobs(hidden, prompt_rows, prompt_seqs) if prompt_seqs else []
+        prompt = self._prompt_logprobs(hidden, prompt_parts, prompt_seqs) if prompt_seqs else []
         return self._finish(hidden, sampling_rows, sampling_seqs, prompt, timer)
+
+    @torch.inference_mode()
+    def follow(self, step: StepInputs) -> None:
+        """A tensor-parallel worker's part of a step: the forward pass, then its share of the
+        logits of each of the driver's logits rows, in the driver's order."""
+        hidden = self.forward(step)
+        for rows in step.logits_rows:
+            self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     @torch.inference_mode()
     def forward(self, step: StepInputs, timer: PhaseTimer | None = None) -> torch.Tensor:
@@ -444,19 +464,22 @@ class ModelRunner:
         return sampled, prompt
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, rows: list[int], seqs: list[tuple[Sequence, int, int]]
+        self, hidden: torch.Tensor, parts: list[list[int]], seqs: list[tuple[Sequence, int, int]]
     ) -> list[PromptLogprobs]:
         """Log-softmax of the model's logits at each row (no sampling setting applies), for the
-        prompt token that follows, with each sequence's top prompt_logprobs alternatives."""
+        prompt token that follows, with each sequence's top prompt_logprobs alternatives. parts:
+        the rows, in parts of _PROMPT_LOGITS_ROWS."""
         targets, num_tops = [], []
         for seq, first, count in seqs:
             targets += seq.token_ids[first + 1 : first + 1 + count]
             num_tops += [seq.params.prompt_logprobs] * count
         entries: list[SampleLogprobs] = []
         widest = max(num_tops)
-        for begin in range(0, len(rows), _PROMPT_LOGITS_ROWS):
-            part = slice(begin, begin + _PROMPT_LOGITS_ROWS)
-            logits = self.model.compute_logits(hidden[torch.tensor(rows[part], device=self.device)])
+        begin = 0
+        for rows in parts:
+            part = slice(begin, begin + len(rows))
+            begin += len(rows)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             tokens = torch.tensor(targets[part], device=self.device)
             everyone = LogprobsRequest(torch.arange(len(tokens), device=self.device), widest)
             tensors = compute_logprobs(logits.float(), tokens, everyone)

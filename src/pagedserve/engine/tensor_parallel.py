@@ -3,8 +3,10 @@ schedules, samples and answers) and N - 1 workers, each started with torch.multi
 holding its share of the model (model/parallel.py).
 
 Each step the driver sends the step's inputs once (token ids, lengths, block tables, block
-copies: a few kilobytes, pickled); every rank then runs the same forward pass, meeting the others
-only in the layers' all-reduces, and the driver alone samples. Two channels carry those:
+copies, the rows whose logits it needs: a few kilobytes, pickled); every rank then runs the same
+forward pass, meeting the others in the embedding's and the layers' all-reduces, and computes
+its share of those rows' logits, which the driver gathers (each rank holds a share of the
+vocabulary) and alone samples from. Two channels carry those:
 - "shm" (the default): one file in /dev/shm that every rank maps. An all-reduce is a copy into
   the rank's slot, a flag raised, a wait for the others' flags, and the slots added in rank order,
   so that every rank computes the same sum; a step's message is written there once for all. A
@@ -54,20 +56,30 @@ class StepInputs(NamedTuple):
     context_lens: list[int]
     block_tables: list[list[int]]
     long_prompts: list[bool]
+    # The hidden rows whose logits the driver computes, a list per compute_logits call in the
+    # driver's order (prompt logprobs' parts, then the sampling rows): each is a collective.
+    logits_rows: list[list[int]]
 
 
 class Limits(NamedTuple):
     """The most a step holds, which sizes the shared memory: tokens (each a row of hidden_size
-    floats in an all-reduce), sequences and their blocks (the step's message)."""
+    floats in an all-reduce), sequences and their blocks (the step's message), and a rank's
+    share of the vocabulary (one row of logits, gathered a slot at a time)."""
 
     tokens: int
     hidden_size: int
     sequences: int
     blocks_per_sequence: int
+    vocab_share: int
+
+    def slot(self) -> int:
+        """The floats of a rank's slot: a step's hidden states, or one row of its logits."""
+        return max(self.tokens * self.hidden_size, self.vocab_share)
 
     def message_bytes(self) -> int:
-        """A pickled StepInputs at most: 8 bytes an int bounds pickle's."""
-        ints = 2 * self.tokens + self.sequences * (2 * self.blocks_per_sequence + 4)
+        """A pickled StepInputs at most: 8 bytes an int bounds pickle's. Its logits rows are
+        the prompt rows (at most a row a token) and one a seat (n > 1 siblings take seats)."""
+        ints = 3 * self.tokens + self.sequences * (2 * self.blocks_per_sequence + 5)
         return 8 * ints + 65536
 
 
@@ -102,6 +114,18 @@ class GlooChannel:
     def all_reduce(self, x: torch.Tensor) -> None:
         self.group.allreduce([x]).wait()
 
+    def gather(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """See TensorParallel.gather: the ranks' columns padded to the widest for gloo's
+        all-gather (which wants equal sizes), then cut back."""
+        widest = max(widths)
+        padded = torch.zeros(x.shape[0], widest, dtype=x.dtype)
+        padded[:, : x.shape[1]] = x
+        parts = [torch.empty_like(padded) for _ in widths]
+        self.group.allgather([parts], [padded]).wait()
+        if self.group.rank() != 0:
+            return None
+        return torch.cat([part[:, :width] for part, width in zip(parts, widths, strict=True)], 1)
+
     def send(self, message: object) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
         self.group.broadcast(torch.tensor([len(data)], dtype=torch.int64), 0).wait()
@@ -127,7 +151,7 @@ class SharedMemoryChannel:
 
     def __init__(self, path: Path, rank: int, size: int, limits: Limits, alive: Callable[[], None]):
         self.rank, self.size, self.alive = rank, size, alive
-        self.slot = limits.tokens * limits.hidden_size
+        self.slot = limits.slot()
         self.message_capacity = limits.message_bytes()
         header = 8 * (size + 2)
         data_offset, total = self.layout(size, limits)
@@ -145,21 +169,45 @@ class SharedMemoryChannel:
         """(where the all-reduce buffers start, the file's bytes)."""
         header = 8 * (size + 2)
         data_offset = -(-(header + limits.message_bytes()) // 64) * 64
-        return data_offset, data_offset + 4 * 2 * size * limits.tokens * limits.hidden_size
+        return data_offset, data_offset + 4 * 2 * size * limits.slot()
 
     def all_reduce(self, x: torch.Tensor) -> None:
         flat = x.view(-1)
         n = flat.numel()
         if n > self.slot:
             raise ValueError(f"all-reduce of {n} values; the shared memory holds {self.slot}")
-        self.calls += 1
-        slots = self.buffers[self.calls % 2, :, :n]
-        slots[self.rank].copy_(flat)
-        self.flags[self.rank] = self.calls
-        self._wait(lambda: self.flags.min() >= self.calls, spin=True)
+        slots = self._exchange(flat)[:, :n]
         flat.copy_(slots[0])
         for rank in range(1, self.size):
             flat.add_(slots[rank])
+
+    def gather(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """See TensorParallel.gather: as many rows at a time as the widest rank's fill a slot,
+        each part an exchange that rank 0 alone reads."""
+        rows = x.shape[0]
+        at_once = self.slot // max(widths)  # Limits.slot holds one row at least
+        whole = torch.empty(rows, sum(widths)) if self.rank == 0 else None
+        for begin in range(0, rows, at_once):
+            part = x[begin : begin + at_once]
+            slots = self._exchange(part.reshape(-1))
+            if whole is None:
+                continue
+            column = 0
+            for rank, width in enumerate(widths):
+                values = slots[rank, : part.shape[0] * width].view(part.shape[0], width)
+                whole[begin : begin + part.shape[0], column : column + width] = values
+                column += width
+        return whole
+
+    def _exchange(self, flat: torch.Tensor) -> torch.Tensor:
+        """Writes flat to this rank's slot and waits for every rank's: the [size, slot] slots
+        of this call, valid until this rank's next call."""
+        self.calls += 1
+        slots = self.buffers[self.calls % 2]
+        slots[self.rank, : flat.numel()].copy_(flat)
+        self.flags[self.rank] = self.calls
+        self._wait(lambda: self.flags.min() >= self.calls, spin=True)
+        return slots
 
     def send(self, message: object) -> None:
         data = pickle.dumps(message)
@@ -326,11 +374,11 @@ def _worker_main(
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=_TIMEOUT)
     channel = _make_channel(backend, store, path, rank, size, limits, driver_alive)
     try:
-        runner = make_runner(TensorParallel(rank, size, channel.all_reduce))
+        runner = make_runner(TensorParallel(rank, size, channel.all_reduce, channel.gather))
     except Exception as error:  # the driver says which rank failed, and why
         ready.put((rank, f"{type(error).__name__}: {error}"))
         logger.error("rank %d failed to load:\n%s", rank, traceback.format_exc())
         return
     ready.put((rank, None))
     while (step := channel.receive()) is not None:
-        runner.forward(step)
+        runner.follow(step)

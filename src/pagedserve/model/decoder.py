@@ -107,14 +107,18 @@ class DecoderModel(nn.Module):
         super().__init__()
         config = config if parallel is None else parallel.local_config(config)
         self.config, self.parallel = config, parallel
+        # The token ids whose embeddings and logits this rank holds: all of them on one rank.
+        self.vocab = range(config.vocab_size)
+        if parallel is not None:
+            self.vocab = parallel.vocab_range(config.vocab_size)
         self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
+            torch.empty(len(self.vocab), config.hidden_size, dtype=dtype)
         )
         self.layers = nn.ModuleList(
             DecoderLayer(config, layer, dtype, parallel) for layer in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.lm_head = Linear(config.hidden_size, len(self.vocab), False, dtype)
         if config.tie_word_embeddings:  # the logits' product reads the embeddings
             self.lm_head.weight = self.embed_tokens
         # One per layer type where each has its own RoPE (Gemma 3), else one for every layer.
@@ -184,10 +188,16 @@ class DecoderModel(nn.Module):
         """longrope's original context (one RoPE for every layer), else None."""
         return next(iter(self.rotary.values())).long_after
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, hidden] -> [rows, vocab_size] float32 logits. Under tensor parallelism every
+        rank calls it with the same rows: rank 0 gets the logits, the others None."""
         logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        if self.parallel is None:
+            return logits
+        return self.parallel.gather_logits(logits, self.config.vocab_size)
 
     def use_cpu_kernels(self) -> None:
         """Switches every CustomOp layer that can to its C++ kernel and, where every attention
@@ -215,12 +225,22 @@ class DecoderModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[tokens] -> [tokens, hidden]: rows of the float table, or dequantized from the
-        file's blocks (each row alone: batch-invariant)."""
+        file's blocks (each row alone: batch-invariant). Under tensor parallelism a rank looks
+        up the tokens of its share and gives zeros for the others; the sum over the ranks holds
+        every token's row exactly."""
+        if self.parallel is None:
+            return self._lookup(input_ids)
+        first, last = self.vocab.start, self.vocab.stop
+        held = (input_ids >= first) & (input_ids < last)
+        rows = self._lookup(torch.where(held, input_ids - first, 0))
+        return self.parallel.all_reduce(rows.masked_fill_(~held[:, None], 0))
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
         if self.embedding_blocks is None:
-            return F.embedding(input_ids, self.embed_tokens)
+            return F.embedding(rows, self.embed_tokens)
         blocks = self.embedding_blocks
-        rows = GGUFPart(blocks.type, blocks.rows[input_ids.numpy()])
-        return torch.from_numpy(gguf_blocks.dequantize(rows)).to(self.norm.weight.dtype)
+        part = GGUFPart(blocks.type, blocks.rows[rows.numpy()])
+        return torch.from_numpy(gguf_blocks.dequantize(part)).to(self.norm.weight.dtype)
 
     def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copies whole KV blocks in every layer (copy on write of blocks shared by samples)."""
