@@ -23,7 +23,17 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=24, logp
                         ignore_eos=True)  # fmt: skip
 # (batch size, the target's place in it)
 BATCHES = [(1, 0), (3, 1), (8, 5), (16, 15), (16, 0)]
-FORMATS = ["auto", "float32", "bfloat16", "int8", "q8_0", "q4_1", "q4_1_q8", "q8_0_q8"]
+FORMATS = [
+    "auto",
+    "float32",
+    "bfloat16",
+    "bfloat16_bf16",
+    "int8",
+    "q8_0",
+    "q4_1",
+    "q4_1_q8",
+    "q8_0_q8",
+]
 # (chunked prefill with a small budget, prefix caching); 20 blocks of 16 tokens force preemption
 # in the batches of 16.
 ENGINES = [(True, True), (False, True), (True, False)]

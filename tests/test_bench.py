@@ -584,10 +584,10 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     assert f"(float32 matmul {flops[0]:.1f} then {flops[1]:.1f} GFLOP/s;" in report
     assert d.http.failed == 0 and d.http.total_output_tokens == 8632
     assert [p.batch for p in d.profiles] == [1, 4]
-    narrow = ("bfloat16", "int8", "q4_1", "q4_1_q8")
+    narrow = ("bfloat16", "int8", "q4_1", "q4_1_q8", "bfloat16_bf16")
     narrow_runs = [f"ours, {dtype} packed weights" for dtype in narrow]
     assert [run.name for run in d.single_stream] == ["ours", "transformers", *narrow_runs]
-    assert [run.output_tokens for run in d.single_stream] == [8] * 6
+    assert [run.output_tokens for run in d.single_stream] == [8] * 7
     # Two rounds, the engines taking turns; each keeps its faster run.
     assert [name for name in stage_names if "single" in name] == [
         "single stream 1",

@@ -257,11 +257,8 @@ def test_integer_products_match_transformers_on_inputs_rounded_as_they_round_the
     architecture, packed_dtype, stand_in, block_bytes, tiny_checkpoint
 ):
     """q4_1_q8's and q8_0_q8's integer products are float32's on the Q4_1 or Q8_0 weights (the
-    logits' Q8_0) with each linear map's inputs rounded to 8 bits per group of 32. Rounding is a
-    step function, so float noise upstream can move an input across a boundary where
-    transformers' does not: each sequence must equal the reference up to a step at which the
-    reference's top two logits are within _NEAR_TIE, and at least three quarters of all tokens
-    must match."""
+    logits' Q8_0) with each linear map's inputs rounded to 8 bits per group of 32: equal to
+    transformers' so computed up to near ties."""
     checkpoint = tiny_checkpoint(architecture)
     llm = LLM(str(checkpoint), dtype="float32", packed_weight_dtype=packed_dtype)
     panels = llm.engine.runner.model.layers[0].mlp.down_proj.panels
@@ -269,9 +266,39 @@ def test_integer_products_match_transformers_on_inputs_rounded_as_they_round_the
     logits_panels = llm.engine.runner.model.lm_head.panels
     assert logits_panels.dtype == torch.uint8 and logits_panels.shape[-1] == 8 * 2 + 8 * 32
     model = _with_weights_held(checkpoint, stand_in, _quantized_to_q8_0)
+    _assert_greedy_matches_up_to_near_ties(llm, model, _inputs_rounded_to_q8)
+
+
+def _inputs_rounded_to_bfloat16(module: torch.nn.Module, args: tuple) -> tuple:
+    (x,) = args
+    return (x.bfloat16().float(),)
+
+
+@pytest.mark.cpu_only
+def test_bfloat16_pairs_match_transformers_on_inputs_rounded_to_bfloat16(tiny_checkpoint):
+    """bfloat16_bf16 is float32's product of the weights rounded to bfloat16 with each linear
+    map's inputs rounded to bfloat16 (AVX-512 BF16's vdpbf16ps where the CPU has it): up to near
+    ties, as for the integer products."""
+    checkpoint = tiny_checkpoint("llama")
+    llm = LLM(str(checkpoint), dtype="float32", packed_weight_dtype="bfloat16_bf16")
+    for layer in (llm.engine.runner.model.layers[0].mlp.down_proj, llm.engine.runner.model.lm_head):
+        assert layer.panels.dtype == torch.bfloat16 and layer.panels.shape[2:] == (64, 2)
+    model = _with_weights_held(checkpoint, _rounded_to_bfloat16, _rounded_to_bfloat16)
+    _assert_greedy_matches_up_to_near_ties(llm, model, _inputs_rounded_to_bfloat16)
+
+
+def _rounded_to_bfloat16(weight: torch.Tensor) -> torch.Tensor:
+    return weight.bfloat16().float()
+
+
+def _assert_greedy_matches_up_to_near_ties(llm, model, round_inputs) -> None:
+    """Rounding is a step function, so float noise upstream can move an input across a boundary
+    where transformers' does not: each sequence must equal the reference (its linear maps' inputs
+    rounded by round_inputs) up to a step at which the reference's top two logits are within
+    _NEAR_TIE, and at least three quarters of all tokens must match."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(_inputs_rounded_to_q8)
+            module.register_forward_pre_hook(round_inputs)
     matched = 0
     for prompt, ours in zip(_prompts(), _generate(llm), strict=True):
         expected, margins = reference_greedy_with_margins(model, prompt, NEW_TOKENS)

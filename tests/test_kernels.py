@@ -159,6 +159,9 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
             pack_blocks = getattr(pack, f"pack_{weight_dtype}")  # pack_q4_1 or pack_q4_1_q8
             packed = pack_blocks(values.to(torch.uint8), scales, minima)
         return packed, None, weight.view(out_features, in_features)
+    if weight_dtype == "bfloat16_bf16":
+        weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+        return pack.pack_bfloat16_bf16(weight), None, weight.double()
     weight = torch.randn(out_features, in_features, generator=generator).to(weight_dtype)
     return pack.pack_linear_weight(weight), None, weight.double()
 
@@ -231,7 +234,60 @@ def test_integer_products_are_the_dequantized_products_of_rounded_inputs(
     assert not torch.allclose(out.double(), unrounded, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("weight_dtype", [*_DTYPES, *_BLOCK_DTYPES, *_INTEGER_DTYPES])
+def _vdpbf16ps_steps(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16_bf16's arithmetic written out in float32: x rounded to bfloat16, then per output
+    one sum over the input pairs in order, adding the odd input's product, then the even's."""
+    rounded, weight = x.bfloat16().float(), weight.float()
+    sums = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(0, x.shape[1], 2):
+        sums = sums + rounded[:, k + 1, None] * weight[:, k + 1]
+        sums = sums + rounded[:, k, None] * weight[:, k]
+    return sums
+
+
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features", "with_bias"),
+    [*_SHAPES, (5, 20, 40, True), (9, 2, 130, False)],
+)
+def test_bfloat16_pairs_are_vdpbf16ps_steps_on_inputs_rounded_to_bfloat16(
+    rows, in_features, out_features, with_bias
+):
+    """bfloat16_bf16 rounds the inputs to bfloat16 and sums each output's exact products pair by
+    pair (vdpbf16ps's order, which its AVX2 path keeps): the same bits as that written out in
+    torch, on any tile of rows and any strip, a padded one included."""
+    assert cpu_kernels_available()
+    generator = torch.Generator().manual_seed(0)
+    packed, _, weight = _packed_weights(out_features, in_features, "bfloat16_bf16", generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+
+    out = torch.ops.pagedserve.packed_linear(x, packed, out_features, bias)
+
+    expected = _vdpbf16ps_steps(x, weight) + (bias if with_bias else 0)
+    assert torch.equal(out, expected)
+    unrounded = x.double() @ weight.T + (bias.double() if with_bias else 0)
+    assert not torch.allclose(out.double(), unrounded, atol=1e-4, rtol=1e-5)
+
+
+def test_bfloat16_pairs_reject_mismatched_inputs():
+    assert cpu_kernels_available()
+    ops, linear = torch.ops.pagedserve, torch.ops.pagedserve.packed_linear
+    with pytest.raises(RuntimeError, match="in_features must be even"):
+        ops.pack_bfloat16_bf16(torch.zeros(40, 7))
+    with pytest.raises(RuntimeError, match="weight must be a 2-D float32 or bfloat16 tensor"):
+        ops.pack_bfloat16_bf16(torch.zeros(40, 8, dtype=torch.float16))
+    packed = ops.pack_bfloat16_bf16(torch.zeros(40, 8))
+    with pytest.raises(RuntimeError, match="is not a pack_bfloat16_bf16 result for 6 input"):
+        linear(torch.zeros(2, 6), packed, 40, None)
+    with pytest.raises(RuntimeError, match="out_features 70 does not fit 1 strips of 64"):
+        linear(torch.zeros(2, 8), packed, 70, None)
+    with pytest.raises(RuntimeError, match="bias must be float32 of 40 features"):
+        linear(torch.zeros(2, 8), packed, 40, torch.zeros(39))
+
+
+@pytest.mark.parametrize(
+    "weight_dtype", [*_DTYPES, *_BLOCK_DTYPES, *_INTEGER_DTYPES, "bfloat16_bf16"]
+)
 def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
     """Tiles of different heights and widths sum every output in the same order, so a sequence's
     logits are the same bits whatever else shares its step."""
@@ -246,7 +302,7 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
         assert torch.equal(batched[:1], alone), f"row 0 changed in a batch of {rows}"
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, "q4_1", *_INTEGER_DTYPES])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, "q4_1", *_INTEGER_DTYPES, "bfloat16_bf16"])
 @pytest.mark.parametrize("rows", [1, 6])
 def test_packed_linear_is_the_same_on_any_number_of_threads(weight_dtype, rows):
     """Threads share the panels (strips for the integer products) in contiguous shares and take
@@ -551,7 +607,7 @@ from pagedserve.model.kernels import _cflags, cpu_kernels_available
 assert cpu_kernels_available()
 generator = torch.Generator().manual_seed(0)
 rows = []
-for weight_dtype in ("q4_1_q8", "q8_0_q8"):
+for weight_dtype in ("q4_1_q8", "q8_0_q8", "bfloat16_bf16"):
     packed, _, _ = _packed_weights(200, 576, weight_dtype, generator)
     x = torch.randn(9, 576, generator=generator)
     rows += [torch.ops.pagedserve.packed_linear(x[:n], packed, 200, None)[0] for n in (1, 4, 9)]
@@ -559,11 +615,12 @@ torch.save({{"rows": rows, "flags": _cflags()}}, {out!r})
 """
 
 
-def test_integer_products_give_the_same_bits_with_and_without_avx512_and_vnni(tmp_path):
+def test_products_give_the_same_bits_with_and_without_avx512_vnni_and_bf16(tmp_path):
     """The integer dot products are exact, so the build for this CPU (with AVX-512 VNNI's
     vpdpbusd where it has it) and an AVX2 build (vpmaddubsw, vpmaddwd; ATEN_CPU_CAPABILITY=avx2
     builds the kernels as for an AVX2-only CPU) compute the same bits, for q4_1_q8 and
-    q8_0_q8."""
+    q8_0_q8; bfloat16_bf16's AVX2 path makes AVX-512 BF16's vdpbf16ps steps in the same order,
+    so it too gives the same bits."""
     results = {}
     for name, capability in (("host", None), ("avx2", "avx2")):
         out = tmp_path / f"{name}.pt"
@@ -577,6 +634,6 @@ def test_integer_products_give_the_same_bits_with_and_without_avx512_and_vnni(tm
     host, avx2 = results["host"], results["avx2"]
     print(f"this host's build: {' '.join(host['flags'])}")
     assert "-DCPU_CAPABILITY_AVX2" in avx2["flags"]
-    assert "-mavx512vnni" not in avx2["flags"]
+    assert "-mavx512vnni" not in avx2["flags"] and "-mavx512bf16" not in avx2["flags"]
     for ours, theirs in zip(host["rows"], avx2["rows"], strict=True):
         assert torch.equal(ours, theirs)

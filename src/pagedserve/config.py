@@ -16,6 +16,7 @@ PACKED_WEIGHT_DTYPES = (
     "float32",
     "bfloat16",
     "float16",
+    "bfloat16_bf16",
     "int8",
     "q8_0",
     "q8_0_q8",

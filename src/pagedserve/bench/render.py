@@ -29,12 +29,14 @@ from pagedserve.bench.tables import cell, markdown_table, serve_table
 
 # W1 with every request seated, by row of the report: offline with the weights as the other rows
 # have them, then with a bfloat16 KV cache, then with the packed formats of the default model's
-# file (q4_1 is auto's pick for it).
+# file (q4_1 is auto's pick for it) and bfloat16 arithmetic.
 SEATED_ROWS = {
     "float32": "offline (`LLM.generate`, max_num_seqs {seats})",
     "bfloat16 KV cache": "offline, bfloat16 KV cache (`--kv-cache-dtype bfloat16`)",
     "q4_1": "offline, the GGUF's Q4_1 weights (`--packed-weight-dtype q4_1`, auto's pick for them)",
     "q4_1_q8": "offline, llama.cpp's Q4_1 weights and arithmetic (`--packed-weight-dtype q4_1_q8`)",
+    "bfloat16_bf16": "offline, bfloat16 weights against inputs rounded to bfloat16 "
+    "(`--packed-weight-dtype bfloat16_bf16`: AVX-512 BF16's vdpbf16ps where the CPU has it)",
     "q4_1, not batch-invariant": "offline, Q4_1 weights, prompts through SDPA "
     "(`--packed-weight-dtype q4_1 --batch-invariant false`)",
 }

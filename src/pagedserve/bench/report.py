@@ -86,7 +86,7 @@ from pagedserve.server.process import LocalServer
 logger = logging.getLogger(__name__)
 POLICIES = ("continuous", "static")
 # Packed weight dtypes run beside float32 (--packed-weight-dtype): fewer bytes per decode step.
-NARROW_WEIGHT_DTYPES = ("bfloat16", "int8", "q4_1", "q4_1_q8")
+NARROW_WEIGHT_DTYPES = ("bfloat16", "int8", "q4_1", "q4_1_q8", "bfloat16_bf16")
 T = TypeVar("T")
 
 
@@ -353,6 +353,7 @@ def _w1_seated_rounds(
         "bfloat16 KV cache": {"kv_cache_dtype": "bfloat16"},
         "q4_1": {"packed_weight_dtype": "q4_1"},
         "q4_1_q8": {"packed_weight_dtype": "q4_1_q8"},
+        "bfloat16_bf16": {"packed_weight_dtype": "bfloat16_bf16"},
         "q4_1, not batch-invariant": {"packed_weight_dtype": "q4_1", "batch_invariant": False},
     }
     assert list(variants) == list(SEATED_ROWS)

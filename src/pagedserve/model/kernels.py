@@ -36,6 +36,7 @@ _SOURCES = [
         "paged_decode.cpp",
         "packed_linear.cpp",
         "integer_linear.cpp",
+        "bf16_linear.cpp",
         "norm_activation.cpp",
         "rotary_cache.cpp",
         "decode_layers.cpp",
@@ -81,7 +82,7 @@ def cpu_kernels_available() -> bool:
 
 # Instructions beyond ATen's vector width that a kernel uses where this CPU has them (each has a
 # path without them, with the same results).
-_EXTRA_FLAGS = {"AVX-512 VNNI": ["-mavx512vnni"]}
+_EXTRA_FLAGS = {"AVX-512 VNNI": ["-mavx512vnni"], "AVX-512 BF16": ["-mavx512bf16"]}
 
 
 def _cflags() -> list[str]:

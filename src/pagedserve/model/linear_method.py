@@ -10,7 +10,8 @@ of 32 inputs, each with a float16 scale, and for Q4_1 and Q5_1 a minimum), and t
 super-blocks of 256 inputs (q4_k, q5_k, q6_k); Q5_0, Q5_1 and the K-quants only from a GGUF file's
 own blocks (gguf_blocks.py). The arithmetic is float32 in every case but q4_1_q8's and q8_0_q8's,
 whose Q4_1 and Q8_0 blocks are multiplied in integers against inputs rounded to 8 bits, as
-llama.cpp computes them (csrc/integer_linear.cpp).
+llama.cpp computes them (csrc/integer_linear.cpp), and bfloat16_bf16's, whose bfloat16 weights
+meet inputs rounded to bfloat16 (csrc/bf16_linear.cpp: AVX-512 BF16's vdpbf16ps).
 
 choose_format is the policy: --packed-weight-dtype auto keeps each map's weights exactly, as
 the checkpoint stores them, in the fewest bytes.
@@ -120,6 +121,14 @@ class PackedFloat(PackedLinearMethod):
         return torch.ops.pagedserve.pack_linear_weight(weight.to(dtype)), None
 
 
+class PackedBfloat16Pairs(PackedLinearMethod):
+    """bfloat16 weights against each map's inputs rounded to bfloat16, computed by AVX-512 BF16's
+    vdpbf16ps where the CPU has it (csrc/bf16_linear.cpp)."""
+
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.ops.pagedserve.pack_bfloat16_bf16(weight.to(torch.bfloat16)), None
+
+
 class PackedInt8(PackedLinearMethod):
     """Each output feature quantized symmetrically, with a float32 scale."""
 
@@ -156,6 +165,7 @@ PACKED_FORMATS: dict[str, PackedLinearMethod] = {
         PackedFloat("float32", 4),
         PackedFloat("bfloat16", 2, stores="BF16"),
         PackedFloat("float16", 2, stores="F16"),
+        PackedBfloat16Pairs("bfloat16_bf16", 2),
         PackedInt8("int8", 1),
         PackedBlocks("q8_0", 34 / 32, stores="Q8_0", holds=_HOLDS["q8_0"]),
         PackedBlocks("q8_0_q8", 34 / 32),

@@ -371,25 +371,22 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed_weight, int64_t
   const uint8_t* blocks = packed_weight.const_data_ptr<uint8_t>();
   const int64_t num_strips = packed_weight.size(0), num_groups = in_features / kGroup;
   const int64_t strip_bytes = num_groups * kStrip * kBlockBytes<Format>;
-  pagedserve::share_items(num_strips, [&](pagedserve::SharedItems& strips) {
-    for (int64_t s = strips.next(); s >= 0; s = strips.next()) {
-      const int64_t feature = s * kStripFeatures;
-      rows_against_strip<Format>(quantized, num_rows, blocks + s * strip_bytes, num_groups,
-                                 bias == nullptr ? nullptr : bias + feature,
-                                 out.data_ptr<float>() + feature, out_features,
-                                 std::min(kStripFeatures, out_features - feature));
-    }
-  });
+  pagedserve::share_strips(
+      num_strips, kStripFeatures, out_features, [&](int64_t s, int64_t feature, int64_t cols) {
+        rows_against_strip<Format>(quantized, num_rows, blocks + s * strip_bytes, num_groups,
+                                   bias == nullptr ? nullptr : bias + feature,
+                                   out.data_ptr<float>() + feature, out_features, cols);
+      });
   return out;
 }
 
 #endif  // PAGEDSERVE_HAS_AVX2
 
 void check_avx2(const char* op) {
-#ifndef PAGEDSERVE_HAS_AVX2
-  TORCH_CHECK(false, op, ": the integer products need a CPU with AVX2 (packed weight dtypes q4_1 ",
-              "and q8_0 compute the same weights in float32 anywhere)");
-#endif
+  pagedserve::require_avx2(
+      op,
+      "the integer products need a CPU with AVX2 (packed weight dtypes q4_1 "
+      "and q8_0 compute the same weights in float32 anywhere)");
 }
 
 const char* packer_name(const at::Tensor& packed) {

@@ -55,6 +55,13 @@ bool is_integer_blocks(const at::Tensor& packed_weight);  // either's result, by
 at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weight,
                           int64_t out_features, const float* bias);
 
+// bf16_linear.cpp: packed_linear's product for pack_bfloat16_bf16 results (its input and bias
+// checked by packed_linear; bias nullptr or out_features floats)
+at::Tensor pack_bfloat16_bf16(const at::Tensor& weight);
+bool is_bfloat16_pairs(const at::Tensor& packed_weight);  // its result, by its shape
+at::Tensor bfloat16_pairs_linear(const at::Tensor& input, const at::Tensor& packed_weight,
+                                 int64_t out_features, const float* bias);
+
 // rotary_cache.cpp
 at::Tensor rotary_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                             at::Tensor& k_cache, at::Tensor& v_cache,
@@ -82,6 +89,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 inline void check_float_rows(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.is_contiguous(), op, ": ", name,
               " must be a contiguous 2-D float32 tensor, got ", t.sizes(), " ", t.scalar_type());
+}
+
+// The integer and bfloat16_bf16 products are written for AVX2 and up: elsewhere they refuse, naming
+// what to use instead.
+inline void require_avx2([[maybe_unused]] const char* op, [[maybe_unused]] const char* instead) {
+#if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+  TORCH_CHECK(false, op, ": ", instead);
+#endif
 }
 
 }  // namespace pagedserve

@@ -13,12 +13,13 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def(
       "rotary_and_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
-  // Linear maps from packed weights (packed_linear.cpp, integer_linear.cpp)
+  // Linear maps from packed weights (packed_linear.cpp, integer_linear.cpp, bf16_linear.cpp)
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("pack_q4_1(Tensor values, Tensor scales, Tensor minima) -> Tensor");
   m.def("pack_q4_1_q8(Tensor values, Tensor scales, Tensor minima) -> Tensor");
   m.def("pack_q8_0(Tensor values, Tensor scales) -> Tensor");
   m.def("pack_q8_0_q8(Tensor values, Tensor scales) -> Tensor");
+  m.def("pack_bfloat16_bf16(Tensor weight) -> Tensor");
   m.def("pack_q5_0(Tensor values, Tensor scales) -> Tensor");
   m.def("pack_q8_min(Tensor values, Tensor scales, Tensor minima) -> Tensor");
   m.def("pack_q5_1(Tensor values, Tensor scales, Tensor minima) -> Tensor");
@@ -51,6 +52,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("pack_q4_1_q8", &pagedserve::pack_q4_1_q8);
   m.impl("pack_q8_0", &pagedserve::pack_q8_0);
   m.impl("pack_q8_0_q8", &pagedserve::pack_q8_0_q8);
+  m.impl("pack_bfloat16_bf16", &pagedserve::pack_bfloat16_bf16);
   m.impl("pack_q5_0", &pagedserve::pack_q5_0);
   m.impl("pack_q8_min", &pagedserve::pack_q8_min);
   m.impl("pack_q5_1", &pagedserve::pack_q5_1);

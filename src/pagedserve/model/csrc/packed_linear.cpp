@@ -12,7 +12,7 @@
 // is float32 whatever they hold, so bfloat16 halves, int8 quarters and Q4_1 cuts to 5/32 the
 // bytes a decode step reads, on CPUs with no bfloat16 or int8 arithmetic too.
 // pack_q4_1_q8's and pack_q8_0_q8's blocks are computed in integers instead, by
-// integer_linear.cpp.
+// integer_linear.cpp, and pack_bfloat16_bf16's panels against bfloat16 inputs by bf16_linear.cpp.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -952,6 +952,7 @@ at::Tensor pack_k_quant_blocks(const at::Tensor& rows, c10::string_view type,
 int64_t packed_in_features(const at::Tensor& packed_weight) {
   int64_t in_features = packed_weight.size(1);
   if (is_integer_blocks(packed_weight)) return in_features * Q4_1::kGroup;  // as Q8_0's
+  if (is_bfloat16_pairs(packed_weight)) return in_features * 2;
   if (packed_weight.scalar_type() == at::kByte) {
     with_block_format(
         packed_weight.size(2),
@@ -973,6 +974,11 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
   if (is_integer_blocks(packed_weight)) {  // its tiles read only the real features
     return integer_linear(input, packed_weight, out_features,
                           per_feature(bias, out_features, out_features, "bias", padded_bias));
+  }
+  if (is_bfloat16_pairs(packed_weight)) {
+    return bfloat16_pairs_linear(
+        input, packed_weight, out_features,
+        per_feature(bias, out_features, out_features, "bias", padded_bias));
   }
   const int64_t num_rows = input.size(0), in_features = input.size(1);
   const bool blocks = type == at::kByte;  // the block formats, told apart by their block size

@@ -88,4 +88,15 @@ void share_items(int64_t num_items, Worker&& worker) {
   });
 }
 
+// share_items over strips of `width` output features: work(strip, its first feature, how many of
+// its features are real, the last strip's padding left out).
+template <typename Work>
+void share_strips(int64_t num_strips, int64_t width, int64_t out_features, Work&& work) {
+  share_items(num_strips, [&](SharedItems& strips) {
+    for (int64_t s = strips.next(); s >= 0; s = strips.next()) {
+      work(s, s * width, std::min(width, out_features - s * width));
+    }
+  });
+}
+
 }  // namespace pagedserve
