@@ -159,12 +159,13 @@ def test_the_default_model_serves_over_http_on_three_ranks_until_one_dies(defaul
         assert len(workers) >= 2
         os.kill(workers[-1], signal.SIGKILL)
         time.sleep(1)
-        # The next step finds a rank gone: the request gets an error, not a hang, and the
-        # engine (and with it the server) stops, naming the rank.
-        with pytest.raises(openai.APIError):
+        # The next step finds a rank gone: the request gets a 503, not a hang, and the engine
+        # (and with it the server) stops, naming the rank.
+        with pytest.raises(openai.APIStatusError) as failed:
             client.with_options(timeout=60).completions.create(
                 model="default", prompt=prompt, max_tokens=16
             )
+        assert failed.value.status_code == 503 and "tensor-parallel rank" in str(failed.value)
         assert server.process.wait(timeout=60) != 0
         assert "tensor-parallel rank" in server.log_tail(20000)
     finally:

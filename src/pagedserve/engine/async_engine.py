@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pagedserve.engine.input_processor import InputProcessor, PromptInput
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.tensor_parallel import RankLostError
 from pagedserve.outputs import StepOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.validation import FieldError
@@ -50,7 +51,19 @@ class QueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an error and serves no more requests."""
+    """The engine loop stopped on an error and serves no more requests. unavailable: it stopped
+    because a process it runs on is gone (a tensor-parallel rank), not on anything a request
+    asked for: the server answers 503 instead of 500."""
+
+    def __init__(self, message: str, unavailable: bool = False):
+        super().__init__(message)
+        self.unavailable = unavailable
+
+    @classmethod
+    def caused_by(cls, error: BaseException) -> EngineDeadError:
+        if isinstance(error, RankLostError):
+            return cls(f"the engine stopped: {error}", unavailable=True)
+        return cls("the engine stopped on an error")
 
 
 @dataclass
@@ -154,7 +167,7 @@ class AsyncLLMEngine:
 
     def _raise_if_dead(self) -> None:
         if self.dead_error is not None:
-            raise EngineDeadError("the engine stopped on an error") from self.dead_error
+            raise EngineDeadError.caused_by(self.dead_error) from self.dead_error
 
     def abort(self, request_id: str) -> None:
         """Ends a request submitted by add_requests, unless it has finished or ended already."""
@@ -167,7 +180,7 @@ class AsyncLLMEngine:
             while not finished:
                 output = await stream.queue.get()
                 if isinstance(output, BaseException):
-                    raise EngineDeadError("the engine stopped on an error") from output
+                    raise EngineDeadError.caused_by(output) from output
                 finished = output.finished
                 yield output
         finally:

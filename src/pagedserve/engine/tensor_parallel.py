@@ -47,6 +47,10 @@ _TIMEOUT = datetime.timedelta(minutes=10)
 _LIVENESS_SECONDS = 0.5
 
 
+class RankLostError(RuntimeError):
+    """A worker rank exited: the engine cannot go on, through no fault of any request."""
+
+
 class StepInputs(NamedTuple):
     """What every rank needs to run a step's forward pass."""
 
@@ -321,7 +325,7 @@ class Workers:
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
                 self.close()
-                raise RuntimeError(
+                raise RankLostError(
                     f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
                     "the engine cannot go on without it"
                 )

@@ -352,7 +352,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, error: EngineDeadError):
-        return error_response_for(request.url.path, 500, str(error), "server_error")
+        status = 503 if error.unavailable else 500
+        return error_response_for(request.url.path, status, str(error), "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
