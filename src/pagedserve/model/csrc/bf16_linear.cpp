@@ -49,10 +49,17 @@ constexpr int64_t kTileRows = 4;
 
 #ifdef PAGEDSERVE_HAS_AVX2
 
-// Input rows rounded to bfloat16: [rows][in] values, read as one 32-bit pair by vdpbf16ps.
-std::vector<c10::BFloat16> rounded_rows(const float* x, int64_t count) {
-  std::vector<c10::BFloat16> rounded(count);
-  for (int64_t i = 0; i < count; ++i) rounded[i] = c10::BFloat16(x[i]);
+// Input rows rounded to bfloat16, [rows][in]: kept as bfloat16 for vdpbf16ps, which reads a pair
+// as one 32-bit value; widened back to float32 for AVX2's multiply-adds.
+#ifdef PAGEDSERVE_HAS_AVX512_BF16
+using Input = c10::BFloat16;
+#else
+using Input = float;
+#endif
+
+std::vector<Input> rounded_rows(const float* x, int64_t count) {
+  std::vector<Input> rounded(count);
+  for (int64_t i = 0; i < count; ++i) rounded[i] = static_cast<Input>(c10::BFloat16(x[i]));
   return rounded;
 }
 
@@ -136,7 +143,6 @@ template <int64_t rows>
 
 // Every row against one strip, whose first `cols` features are written to out (the rest are
 // padding): tiles of kTileRows rows, then the rows left over.
-template <class Input>
 void rows_against_strip(const Input* inputs, int64_t num_rows, int64_t in,
                         const c10::BFloat16* strip, const float* bias, float* out,
                         int64_t out_stride, int64_t cols) {
@@ -162,15 +168,8 @@ void rows_against_strip(const Input* inputs, int64_t num_rows, int64_t in,
 at::Tensor product(const at::Tensor& x, const at::Tensor& packed_weight, int64_t out_features,
                    const float* bias) {
   const int64_t num_rows = x.size(0), in = x.size(1);
-  const std::vector<c10::BFloat16> rounded = rounded_rows(x.const_data_ptr<float>(), x.numel());
-#ifdef PAGEDSERVE_HAS_AVX512_BF16
-  const c10::BFloat16* inputs = rounded.data();
-#else
-  std::vector<float> widened_inputs(rounded.size());
-  std::transform(rounded.begin(), rounded.end(), widened_inputs.begin(),
-                 [](c10::BFloat16 value) { return static_cast<float>(value); });
-  const float* inputs = widened_inputs.data();
-#endif
+  const std::vector<Input> rounded = rounded_rows(x.const_data_ptr<float>(), x.numel());
+  const Input* inputs = rounded.data();
   at::Tensor out = at::empty({num_rows, out_features}, x.options());
   const c10::BFloat16* strips = packed_weight.const_data_ptr<c10::BFloat16>();
   pagedserve::share_strips(
@@ -229,10 +228,7 @@ at::Tensor bfloat16_pairs_linear(const at::Tensor& input, const at::Tensor& pack
   TORCH_CHECK(packed_weight.is_contiguous() && packed_weight.size(1) * 2 == in,
               "packed_linear: packed_weight ", packed_weight.sizes(),
               " is not a pack_bfloat16_bf16 result for ", in, " input features");
-  TORCH_CHECK(out_features > (strips - 1) * kStripFeatures &&
-                  out_features <= strips * kStripFeatures,
-              "packed_linear: out_features ", out_features, " does not fit ", strips,
-              " strips of ", kStripFeatures);
+  pagedserve::check_out_features(out_features, strips, kStripFeatures, "strips");
 #ifdef PAGEDSERVE_HAS_AVX2
   return product(input.contiguous(), packed_weight, out_features, bias);
 #else

@@ -398,11 +398,7 @@ void check_packed(const at::Tensor& packed, int64_t in_features, int64_t out_fea
                   packed.size(1) == in_features / kGroup,
               "packed_linear: packed_weight ", packed.sizes(), " is not a ", packer_name(packed),
               " result for ", in_features, " input features");
-  const int64_t strips = packed.size(0);
-  TORCH_CHECK(out_features > (strips - 1) * kStripFeatures &&
-                  out_features <= strips * kStripFeatures,
-              "packed_linear: out_features ", out_features, " does not fit ", strips,
-              " strips of ", kStripFeatures);
+  pagedserve::check_out_features(out_features, packed.size(0), kStripFeatures, "strips");
 }
 
 // [out][in] padded with zeros to whole strips.

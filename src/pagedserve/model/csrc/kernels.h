@@ -91,6 +91,15 @@ inline void check_float_rows(const at::Tensor& t, const char* op, const char* na
               " must be a contiguous 2-D float32 tensor, got ", t.sizes(), " ", t.scalar_type());
 }
 
+// packed_linear's check that `count` panels or strips (`units`) of `width` output features each
+// hold out_features: more than count - 1 of them, at most count.
+inline void check_out_features(int64_t out_features, int64_t count, int64_t width,
+                               const char* units) {
+  TORCH_CHECK(out_features > (count - 1) * width && out_features <= count * width,
+              "packed_linear: out_features ", out_features, " does not fit ", count, " ", units,
+              " of ", width);
+}
+
 // The integer and bfloat16_bf16 products are written for AVX2 and up: elsewhere they refuse, naming
 // what to use instead.
 inline void require_avx2([[maybe_unused]] const char* op, [[maybe_unused]] const char* instead) {

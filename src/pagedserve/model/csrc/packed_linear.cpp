@@ -1001,9 +1001,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
               " is not a pack_linear_weight or block packer's result for ", in_features,
               " input features");
   const int64_t panels = packed_weight.size(0);
-  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
-              "packed_linear: out_features ", out_features, " does not fit ", panels, " panels of ",
-              kPanel);
+  check_out_features(out_features, panels, kPanel, "panels");
   at::Tensor padded_scale;
   const float* bias_data = per_feature(bias, out_features, panels * kPanel, "bias", padded_bias);
   const at::Tensor x = input.contiguous();
