@@ -3,6 +3,7 @@ its metadata written to the cache, and a sharded safetensors checkpoint as its u
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -142,3 +143,53 @@ def test_the_weights_told_before_loading_are_the_weights_held(packed_weight_dtyp
         held += model.embedding_blocks.rows.nbytes
     told = weights_bytes(resolve_model_dir(None), runner.dtype, packed_weight_dtype)
     assert abs(told - held) < 0.03 * held, (told, held)
+
+
+# A start on a GGUF file whose metadata is in the cache: greedy tokens, then the transformers
+# modules it imported of those that a first start needs (config and model classes, AutoTokenizer).
+_SECOND_START = """
+import json, sys
+from pagedserve import LLM, SamplingParams
+llm = LLM(None, dtype="float32", num_kv_blocks=8)
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+tokens = llm.generate(["Hello, how are you?"], params)[0].outputs[0].token_ids
+heavy = ("configuration_llama", "modeling_llama", "tokenization_auto", "modeling_utils")
+print(json.dumps([tokens, sorted(m for m in sys.modules if m.rsplit(".", 1)[-1] in heavy)]))
+"""
+
+
+def test_a_later_start_reads_what_the_first_derived_from_the_gguf_metadata(monkeypatch, tmp_path):
+    """transformers' names of the tensors and the tokenizer's class are recorded with the
+    metadata, so that a later start builds neither transformers' config class nor its model
+    (a second or two of each start) and loads the tokenizer AutoTokenizer picks."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.model.source import gguf_tokenizer_class
+
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _SECOND_START],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        for _ in range(2)
+    ]
+    (first_tokens, first_imported), (tokens, imported) = (
+        json.loads(run.stdout.splitlines()[-1]) for run in runs
+    )
+    assert tokens == first_tokens
+    assert "transformers.models.llama.modeling_llama" in first_imported
+    assert imported == []
+    monkeypatch.setenv("PAGEDSERVE_CACHE", env["PAGEDSERVE_CACHE"])
+    model_dir = resolve_model_dir(None)
+    recorded = gguf_tokenizer_class(model_dir).from_pretrained(model_dir)
+    auto = AutoTokenizer.from_pretrained(model_dir)
+    assert type(recorded) is type(auto)
+    chat = [{"role": "user", "content": "Hello <|im_end|> wörld"}]
+    assert recorded.apply_chat_template(chat, add_generation_prompt=True) == (
+        auto.apply_chat_template(chat, add_generation_prompt=True)
+    )
+    assert recorded.all_special_ids == auto.all_special_ids

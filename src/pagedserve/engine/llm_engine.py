@@ -16,8 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from pagedserve.config import EngineConfig
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.input_processor import Conversation, InputProcessor, PromptInput
@@ -28,7 +26,7 @@ from pagedserve.engine.sequence import Sequence
 from pagedserve.engine.static_scheduler import StaticScheduler
 from pagedserve.engine.structured_output import GrammarCompiler
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.source import gguf_file, resolve_model_dir
+from pagedserve.model.source import gguf_file, gguf_tokenizer_class, resolve_model_dir
 from pagedserve.outputs import StepOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.timing import PhaseTimer
@@ -287,6 +285,11 @@ def _load_tokenizer(model_dir: Path):
         raise FileNotFoundError(
             f"model directory {model_dir} has no tokenizer ({' or '.join(_TOKENIZER_FILES)})"
         )
+    recorded = gguf_tokenizer_class(model_dir)
+    if recorded is not None:
+        return recorded.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_dir)
 
 

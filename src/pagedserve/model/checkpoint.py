@@ -20,7 +20,7 @@ from pagedserve.model.decoder import DecoderModel
 from pagedserve.model.gguf_blocks import BLOCK_TYPES, FORMAT_HOLDS, GGUFPart
 from pagedserve.model.layers import Linear
 from pagedserve.model.linear_method import PACKED_FORMATS, LinearMethod
-from pagedserve.model.source import GGUFTensorTypes, gguf_tensor_types
+from pagedserve.model.source import gguf_tensor_types
 
 # Checkpoint projections that DecoderModel keeps fused in one matrix, in concatenation order, by
 # the last part of their module's name (an expert's MLP is fused as the dense one is).
@@ -163,7 +163,7 @@ def _checkpoint_tensors(
     """(transformers' name, a function reading the tensor) for each tensor of the checkpoint."""
     if gguf_path is not None:
         types = gguf_tensor_types(model_dir)
-        names = _gguf_names(model_dir, types, config)
+        names = gguf_blocks.GGUFNames(types, config.raw)
         yield from gguf_blocks.float_tensors(gguf_path, types, names)
         return
     for path in _weight_files(model_dir):
@@ -298,23 +298,6 @@ def _in_order(key: str, parts: dict[int, object]) -> list:
     return [parts[index] for index in range(len(names))]
 
 
-# GGUFNames by the metadata's directory (named by the file's contents), the architecture and
-# the layer count: building one builds transformers' model on the meta device (about a second),
-# and a load needs it twice, for the blocks and for the float tensors.
-_NAMES: dict[tuple[str, str, int], gguf_blocks.GGUFNames] = {}
-
-
-def _gguf_names(
-    model_dir: Path, types: GGUFTensorTypes, config: ModelConfig
-) -> gguf_blocks.GGUFNames:
-    hf_config = config.transformers_config
-    key = (str(model_dir), types.architecture, hf_config.num_hidden_layers)
-    if key not in _NAMES:
-        _NAMES.clear()  # the latest model's only
-        _NAMES[key] = gguf_blocks.GGUFNames(types, hf_config)
-    return _NAMES[key]
-
-
 def gguf_linear_parts(
     gguf_path: Path, model_dir: Path, config: ModelConfig
 ) -> dict[str, list[GGUFPart]]:
@@ -328,7 +311,7 @@ def gguf_linear_parts(
     types = gguf_tensor_types(model_dir)
     if types is None:
         return whole
-    names = _gguf_names(model_dir, types, config)
+    names = gguf_blocks.GGUFNames(types, config.raw)
     for name, part in gguf_blocks.linear_parts(gguf_path, types, names).items():
         if name == "model.embed_tokens.weight":  # the output projection too, when tied
             whole["embed_tokens"] = [part]

@@ -294,29 +294,17 @@ _EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_ex
 
 
 class GGUFNames:
-    """GGUF tensor names -> transformers' parameter names, and the transformations transformers'
-    GGUF loader makes on the way (llama's queries' and keys' rows permuted, Gemma's norms less
-    one), by its own map and processor, so that a tensor read here is the one it reads."""
+    """GGUF tensor names -> transformers' parameter names (as recorded with the file's metadata,
+    model/source.py), and the transformations transformers' GGUF loader makes on the way (llama's
+    queries' and keys' rows permuted, Gemma's norms less one), by its own processor, so that a
+    tensor read here is the one it reads."""
 
-    def __init__(self, types: GGUFTensorTypes, hf_config):
-        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
-        from transformers import AutoModelForCausalLM
+    def __init__(self, types: GGUFTensorTypes, config: dict):
+        """config: the model's config.json, as transformers' config writes it."""
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-        arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == types.architecture)
-        name_map = get_tensor_name_map(arch, hf_config.num_hidden_layers)
-        self.processor = TENSOR_PROCESSORS.get(types.architecture, TensorProcessor)(
-            hf_config.to_dict()
-        )
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
-        # As transformers' get_gguf_hf_weights_map pairs them.
-        self.names: dict[str, str] = {}
-        for hf_name in model.state_dict():
-            base, dot, suffix = self.processor.preprocess_name(hf_name).rpartition(".")
-            gguf_name = name_map.get_name(base)
-            if gguf_name is not None:
-                self.names.setdefault(f"{gguf_name}{dot}{suffix}", hf_name)
+        self.processor = TENSOR_PROCESSORS.get(types.architecture, TensorProcessor)(config)
+        self.names = types.transformers_names
         # A mixture of experts stores each projection of a layer's experts as one tensor,
         # [experts, out, in], which transformers' loader splits by its processor's own map: by
         # GGUF name, the layer and the projection.

@@ -73,15 +73,26 @@ class RotaryEmbedding(nn.Module):
     ) -> RotaryEmbedding:
         """The config's RoPE, with transformers' frequencies and attention scaling; for a model
         whose layer types each have their own (Gemma 3), that of layer_type (else "all")."""
-        hf_config = config.transformers_config
         max_positions = config.max_position_embeddings
+        rotary_dim = config.rotary_dim or config.head_dim
+        # A config.json that transformers 5 wrote (a GGUF file's metadata among them) states the
+        # default RoPE's base itself, read here without transformers' config class (whose import
+        # takes about a second of each start).
+        stated = config.raw.get("rope_parameters") or {}
+        if (
+            layer_type == "all"
+            and stated.get("rope_type") == "default"
+            and "rope_theta" in stated
+            and not config.raw.get("rope_scaling")
+        ):
+            return cls(default_frequencies(rotary_dim, stated["rope_theta"]), max_positions, dtype)
+        hf_config = config.transformers_config
         parameters, by_type, rope_type = hf_config.rope_parameters, {}, config.rope_type
         if layer_type != "all":
             parameters, by_type = parameters[layer_type], {"layer_type": layer_type}
             rope_type = parameters.get("rope_type", "default")
         if rope_type == "default":
             theta = parameters["rope_theta"]
-            rotary_dim = config.rotary_dim or config.head_dim
             return cls(default_frequencies(rotary_dim, theta), max_positions, dtype)
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

