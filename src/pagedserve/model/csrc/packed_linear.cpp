@@ -32,6 +32,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 #include "kernels.h"
 #include "work_sharing.h"
 
@@ -882,9 +886,50 @@ void read_q6_k(const uint8_t* raw, SuperBlock& block) {
   }
 }
 
+// out[c * out_stride + r] = in[r * in_stride + c] for a tile of 16 x 16 bytes: its rows
+// interleaved two by two four times over (bytes, then pairs, quads and eights of them).
+inline void transpose_bytes_16x16(const uint8_t* in, int64_t in_stride, uint8_t* out,
+                                  int64_t out_stride) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  __m128i a[16], b[16];
+  for (int64_t i = 0; i < 16; ++i) {
+    a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * in_stride));
+  }
+  for (int64_t i = 0; i < 8; ++i) {
+    b[i] = _mm_unpacklo_epi8(a[2 * i], a[2 * i + 1]);
+    b[i + 8] = _mm_unpackhi_epi8(a[2 * i], a[2 * i + 1]);
+  }
+  for (int64_t i = 0; i < 4; ++i) {
+    a[i] = _mm_unpacklo_epi16(b[2 * i], b[2 * i + 1]);
+    a[i + 4] = _mm_unpackhi_epi16(b[2 * i], b[2 * i + 1]);
+    a[i + 8] = _mm_unpacklo_epi16(b[8 + 2 * i], b[9 + 2 * i]);
+    a[i + 12] = _mm_unpackhi_epi16(b[8 + 2 * i], b[9 + 2 * i]);
+  }
+  for (int64_t q = 0; q < 4; ++q) {
+    for (int64_t i = 0; i < 2; ++i) {
+      b[4 * q + i] = _mm_unpacklo_epi32(a[4 * q + 2 * i], a[4 * q + 2 * i + 1]);
+      b[4 * q + i + 2] = _mm_unpackhi_epi32(a[4 * q + 2 * i], a[4 * q + 2 * i + 1]);
+    }
+  }
+  for (int64_t i = 0; i < 8; ++i) {
+    a[2 * i] = _mm_unpacklo_epi64(b[2 * i], b[2 * i + 1]);
+    a[2 * i + 1] = _mm_unpackhi_epi64(b[2 * i], b[2 * i + 1]);
+  }
+  for (int64_t i = 0; i < 16; ++i) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i * out_stride), a[i]);
+  }
+#else
+  for (int64_t r = 0; r < 16; ++r) {
+    for (int64_t c = 0; c < 16; ++c) out[c * out_stride + r] = in[r * in_stride + c];
+  }
+#endif
+}
+
 // The panels that pack_q4_k or pack_q6_k make of a GGUF file's Q4_K or Q6_K rows ([out][in /
 // 256 * block bytes] uint8, as the file stores them), written from the blocks in one pass, the
-// panels' blocks shared between threads, with no integer arrays in between.
+// panels' blocks shared between threads, with no integer arrays in between: a panel's block
+// decodes its kPanel features' blocks one by one, then turns their values input-major sixteen
+// by sixteen. Every byte of the packed block is written (features past out: zeros).
 template <typename Format>
 at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_t gguf_bytes,
                                   void (*read)(const uint8_t*, SuperBlock&)) {
@@ -893,17 +938,22 @@ at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_
               op, ": rows must be contiguous uint8 [out, blocks * ", gguf_bytes, "], got ",
               rows.sizes(), " ", rows.scalar_type());
   constexpr int64_t groups = Format::kGroupsPerBlock, header = Format::kHeaderBytes;
+  static_assert(kPanel % 16 == 0 && kBlockBytes<Format> == header + 256 * Format::kRowBytes);
   const int64_t out = rows.size(0), num_blocks = rows.size(1) / gguf_bytes;
   const int64_t num_panels = (out + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({num_panels, num_blocks, kBlockBytes<Format>}, at::kByte);
+  at::Tensor packed = at::empty({num_panels, num_blocks, kBlockBytes<Format>}, at::kByte);
   const uint8_t* source = rows.data_ptr<uint8_t>();
   uint8_t* target = packed.data_ptr<uint8_t>();
   at::parallel_for(0, num_panels * num_blocks, 1, [&](int64_t begin, int64_t end) {
     SuperBlock block;
+    alignas(64) uint8_t by_feature[kPanel][256];
+    alignas(64) uint8_t by_input[256][kPanel];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t panel = item / num_blocks, b = item % num_blocks;
+      const int64_t features = std::min(kPanel, out - panel * kPanel);
       uint8_t* to = target + item * kBlockBytes<Format>;
-      for (int64_t f = 0; f < kPanel && panel * kPanel + f < out; ++f) {
+      std::memset(to, 0, header);
+      for (int64_t f = 0; f < features; ++f) {
         read(source + (panel * kPanel + f) * rows.size(1) + b * gguf_bytes, block);
         std::memcpy(to + 2 * f, &block.d, 2);
         std::memcpy(to + 2 * (kPanel + f), &block.dmin, 2);
@@ -911,14 +961,22 @@ at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_
           to[4 * kPanel + g * kPanel + f] = static_cast<uint8_t>(block.sc[g]);
           to[4 * kPanel + (groups + g) * kPanel + f] = static_cast<uint8_t>(block.m[g]);
         }
-        const int64_t shift = f < kPanel / 2 ? 0 : 4;
+        std::memcpy(by_feature[f], block.values, 256);
+      }
+      std::memset(by_feature[features], 0, (kPanel - features) * 256);
+      // Q6_K's panel rows are a byte a feature: the values go straight to them.
+      constexpr bool bytes = std::is_same_v<Format, Q6_K>;
+      uint8_t* transposed = bytes ? to + header : &by_input[0][0];
+      for (int64_t f = 0; f < kPanel; f += 16) {
+        for (int64_t k = 0; k < 256; k += 16) {
+          transpose_bytes_16x16(&by_feature[f][k], 256, transposed + k * kPanel + f, kPanel);
+        }
+      }
+      if constexpr (!bytes) {  // two features a byte: the first half's low, the second's high
         for (int64_t k = 0; k < 256; ++k) {
           uint8_t* row = to + header + k * Format::kRowBytes;
-          const uint8_t value = block.values[k];
-          if constexpr (std::is_same_v<Format, Q6_K>) {
-            row[f] = value;
-          } else {
-            row[f % (kPanel / 2)] |= (value & 15) << shift;
+          for (int64_t f = 0; f < kPanel / 2; ++f) {
+            row[f] = (by_input[k][f] & 15) | (by_input[k][f + kPanel / 2] & 15) << 4;
           }
         }
       }
