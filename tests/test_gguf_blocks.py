@@ -82,6 +82,7 @@ def test_every_format_that_holds_the_parts_multiplies_them(types):
 def test_packing_a_map_in_pieces_gives_the_panels_of_the_whole(types):
     """pack decodes and packs a long map a piece of rows at a time (its memory's peak): the
     pieces' panels, one after the other, are the whole map's, ragged last panel included."""
+    assert cpu_kernels_available()
     last = len(types) - 1
     parts = [_part(t, 200 if i == last else 192, 512, seed=i) for i, t in enumerate(types)]
     for name in [name for name, holds in FORMAT_HOLDS.items() if set(types) <= holds]:

@@ -833,18 +833,18 @@ at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Te
   return pack_blocks({d, dmin, sc, m}, byte_rows(values));
 }
 
-// One GGUF super-block as the packed formats hold it: d and dmin as float16 bits, each
-// group's sc and m, and the 256 values.
+// One GGUF super-block's header as the packed formats hold it: d and dmin as float16 bits, each
+// group's sc and m. A reader writes the block's 256 values apart from it, to `values`, which
+// aliases neither the header nor the file's bytes (so that its loops vectorise).
 struct SuperBlock {
   uint16_t d, dmin;
   int8_t sc[16], m[16];
-  uint8_t values[256];
 };
 
 // GGUF's Q4_K block (144 bytes): d, dmin, 12 bytes of 6-bit sc and m for 8 groups of 32, then
 // 128 bytes: chunk c's 32 bytes hold inputs 64c to 64c + 31 in their low halves, 64c + 32 to
 // 64c + 63 in their high halves.
-void read_q4_k(const uint8_t* raw, SuperBlock& block) {
+void read_q4_k(const uint8_t* __restrict raw, SuperBlock& block, uint8_t* __restrict values) {
   std::memcpy(&block.d, raw, 2);
   std::memcpy(&block.dmin, raw + 2, 2);
   const uint8_t* scales = raw + 4;
@@ -857,15 +857,15 @@ void read_q4_k(const uint8_t* raw, SuperBlock& block) {
   const uint8_t* qs = raw + 16;
   for (int64_t c = 0; c < 4; ++c) {
     for (int64_t i = 0; i < 32; ++i) {
-      block.values[64 * c + i] = qs[32 * c + i] & 15;
-      block.values[64 * c + 32 + i] = qs[32 * c + i] >> 4;
+      values[64 * c + i] = qs[32 * c + i] & 15;
+      values[64 * c + 32 + i] = qs[32 * c + i] >> 4;
     }
   }
 }
 
 // GGUF's Q6_K block (210 bytes): 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one
 // per group of 16), d. Held as pack_q6_k takes it: d * sc * (q - 32) with dmin = 32 * d, m = sc.
-void read_q6_k(const uint8_t* raw, SuperBlock& block) {
+void read_q6_k(const uint8_t* __restrict raw, SuperBlock& block, uint8_t* __restrict values) {
   const uint8_t *ql = raw, *qh = raw + 128;
   std::memcpy(block.sc, raw + 192, 16);
   std::memcpy(block.m, raw + 192, 16);
@@ -880,7 +880,7 @@ void read_q6_k(const uint8_t* raw, SuperBlock& block) {
       for (int64_t i = 0; i < 32; ++i) {
         const int64_t low = ql[64 * half + 32 * (quarter % 2) + i] >> (4 * (quarter / 2)) & 15;
         const int64_t high = qh[32 * half + i] >> (2 * quarter) & 3;
-        block.values[128 * half + 32 * quarter + i] = static_cast<uint8_t>(low | high << 4);
+        values[128 * half + 32 * quarter + i] = static_cast<uint8_t>(low | high << 4);
       }
     }
   }
@@ -932,7 +932,7 @@ inline void transpose_bytes_16x16(const uint8_t* in, int64_t in_stride, uint8_t*
 // by sixteen. Every byte of the packed block is written (features past out: zeros).
 template <typename Format>
 at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_t gguf_bytes,
-                                  void (*read)(const uint8_t*, SuperBlock&)) {
+                                  void (*read)(const uint8_t*, SuperBlock&, uint8_t*)) {
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
                   rows.size(1) % gguf_bytes == 0,
               op, ": rows must be contiguous uint8 [out, blocks * ", gguf_bytes, "], got ",
@@ -954,14 +954,13 @@ at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_
       uint8_t* to = target + item * kBlockBytes<Format>;
       std::memset(to, 0, header);
       for (int64_t f = 0; f < features; ++f) {
-        read(source + (panel * kPanel + f) * rows.size(1) + b * gguf_bytes, block);
+        read(source + (panel * kPanel + f) * rows.size(1) + b * gguf_bytes, block, by_feature[f]);
         std::memcpy(to + 2 * f, &block.d, 2);
         std::memcpy(to + 2 * (kPanel + f), &block.dmin, 2);
         for (int64_t g = 0; g < groups; ++g) {
           to[4 * kPanel + g * kPanel + f] = static_cast<uint8_t>(block.sc[g]);
           to[4 * kPanel + (groups + g) * kPanel + f] = static_cast<uint8_t>(block.m[g]);
         }
-        std::memcpy(by_feature[f], block.values, 256);
       }
       std::memset(by_feature[features], 0, (kPanel - features) * 256);
       // Q6_K's panel rows are a byte a feature: the values go straight to them.
@@ -986,8 +985,8 @@ at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_
 }
 
 // Q4_K's groups of 32 as q6_k's groups of 16: each group's sc and m twice.
-void read_q4_k_as_16_groups(const uint8_t* raw, SuperBlock& block) {
-  read_q4_k(raw, block);
+void read_q4_k_as_16_groups(const uint8_t* raw, SuperBlock& block, uint8_t* values) {
+  read_q4_k(raw, block, values);
   for (int64_t g = 15; g >= 0; --g) block.sc[g] = block.sc[g / 2], block.m[g] = block.m[g / 2];
 }
 
