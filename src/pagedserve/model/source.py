@@ -141,8 +141,7 @@ def gguf_metadata_dir(gguf_path: Path) -> Path:
     target = cache_root() / f"{gguf_path.stem}-{_head_digest(gguf_path)[:16]}"
     if (target / _COMPLETE_MARKER).is_file():
         return target
-    # One reading of the file's metadata serves the check and the index: gguf parses every
-    # vocabulary string of it one by one, seconds for a vocabulary of 50,000.
+    # One reading of the file's tensor table serves the check and the index.
     architecture, tensors = _read_gguf(gguf_path)
     _check_tensor_types(gguf_path, tensors)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -348,6 +347,8 @@ def _tokenizer_class(model_dir: Path) -> str:
 def _record_tensor_types(
     architecture: str, tensors: dict[str, GGUFTensor], out_dir: Path, config
 ) -> None:
+    """_TENSOR_TYPES_FILE: the types of the maps and the logits, where each tensor lies, its
+    transformers name and the tokenizer's class (config: transformers' config of the file)."""
     types = {name: tensor.type for name, tensor in tensors.items()}
     recorded_tensors = {
         name: [tensor.type, tensor.offset, tensor.nbytes, list(tensor.shape)]
