@@ -145,8 +145,8 @@ def test_the_weights_told_before_loading_are_the_weights_held(packed_weight_dtyp
     assert abs(told - held) < 0.03 * held, (told, held)
 
 
-# A start on a GGUF file whose metadata is in the cache: greedy tokens, then the transformers
-# modules it imported of those that a first start needs (config and model classes, AutoTokenizer).
+# A start on the default GGUF file: greedy tokens, then the transformers modules it imported of
+# those that a first start needs (config and model classes, AutoTokenizer).
 _SECOND_START = """
 import json, sys
 from pagedserve import LLM, SamplingParams

@@ -162,8 +162,7 @@ class ModelConfig:
 
     @functools.cached_property
     def transformers_config(self):
-        """The transformers config of this model, as its RoPE functions and its GGUF tensor
-        names take it; built once."""
+        """The transformers config of this model, as its RoPE functions take it; built once."""
         from transformers import AutoConfig
 
         settings = {key: value for key, value in self.raw.items() if key != "model_type"}

@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +33,9 @@ _COMPLETE_MARKER = "pagedserve-gguf-metadata"
 # Of what the cache holds: a new one where that changes.
 _METADATA_FORMAT = 2
 # The quantization types of the GGUF file's tensors (see GGUFTensorTypes): what
-# --packed-weight-dtype auto keeps; and where each tensor lies in the file
-# (GGUFTensorTypes.tensors), so that a start reads it without parsing the file's metadata again.
+# --packed-weight-dtype auto keeps; where each tensor lies in the file and its transformers name,
+# and the tokenizer's class, so that a later start reads them without parsing the file's metadata
+# again or building transformers' config and model classes.
 _TENSOR_TYPES_FILE = "gguf-tensors.json"
 # The bytes of a GGUF file's head that key its metadata cache: its metadata and tensor index lie
 # there (tens of MB at most: a vocabulary of 256,000 strings with their scores).
@@ -150,9 +152,16 @@ def gguf_metadata_dir(gguf_path: Path) -> Path:
         config = _write_gguf_metadata(gguf_path, staging)
         _record_tensor_types(architecture, tensors, staging, config)
         (staging / _COMPLETE_MARKER).write_text(str(gguf_path))
-        if target.exists():
+        # Another process starting on the same file may have written it meanwhile: theirs stays.
+        if (target / _COMPLETE_MARKER).is_file():
+            return target
+        if target.exists():  # an incomplete one
             shutil.rmtree(target)
-        staging.rename(target)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / _COMPLETE_MARKER).is_file():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -188,7 +197,7 @@ def _read_gguf(gguf_path: Path) -> tuple[str, dict[str, GGUFTensor]]:
     try:
         header = GgufHeader.from_file(str(gguf_path))
         types = {info.name: GGMLQuantizationType(info.ggml_type).name for info in header.tensors}
-    except ValueError:
+    except (ValueError, struct.error):
         return _read_gguf_by_gguf(gguf_path)
     tensors = {
         info.name: GGUFTensor(
@@ -268,7 +277,8 @@ class GGUFTensor:
 
 @dataclass(frozen=True)
 class GGUFTensorTypes:
-    """GGUF quantization types, e.g. "Q4_1", of the tensors a model's products read."""
+    """GGUF quantization types, e.g. "Q4_1", of the tensors a model's products read; with where
+    every tensor lies, its transformers name and the tokenizer's class (_TENSOR_TYPES_FILE)."""
 
     linear_maps: frozenset[str]  # of the transformer blocks' linear maps
     logits: str  # of the output projection: output.weight, or token_embd.weight when tied
@@ -288,6 +298,12 @@ def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
     if not path.is_file():
         return None
     recorded = json.loads(path.read_text())
+    missing = {"tensors", "transformers_names", "tokenizer_class"} - set(recorded)
+    if missing:
+        raise ValueError(
+            f"{path} lacks {', '.join(sorted(missing))}: it is not a GGUF file's metadata as this "
+            "pagedserve writes it (give the .gguf file itself)"
+        )
     tensors = {
         name: GGUFTensor(type_name, offset, nbytes, tuple(shape))
         for name, (type_name, offset, nbytes, shape) in recorded["tensors"].items()
@@ -311,7 +327,11 @@ def gguf_tokenizer_class(model_dir: Path) -> type | None:
         return None
     module, _, name = types.tokenizer_class.partition(":")
     if not module.startswith("transformers."):
-        raise ValueError(f"{model_dir}: recorded tokenizer class {types.tokenizer_class!r}")
+        raise ValueError(
+            f"{model_dir / _TENSOR_TYPES_FILE}: recorded tokenizer class "
+            f"{types.tokenizer_class!r} is not transformers'; delete {model_dir} to read the "
+            "GGUF file's metadata again"
+        )
     return getattr(importlib.import_module(module), name)
 
 
@@ -349,6 +369,8 @@ def _record_tensor_types(
 ) -> None:
     """_TENSOR_TYPES_FILE: the types of the maps and the logits, where each tensor lies, its
     transformers name and the tokenizer's class (config: transformers' config of the file)."""
+    from pagedserve.model.config import MODEL_TYPES
+
     types = {name: tensor.type for name, tensor in tensors.items()}
     recorded_tensors = {
         name: [tensor.type, tensor.offset, tensor.nbytes, list(tensor.shape)]
@@ -368,7 +390,12 @@ def _record_tensor_types(
         "logits": logits,
         "architecture": architecture,
         "tensors": recorded_tensors,
-        "transformers_names": _transformers_names(architecture, config),
+        # None for an architecture pagedserve does not run (ModelConfig's error names it).
+        "transformers_names": (
+            _transformers_names(architecture, config)
+            if config.model_type in MODEL_TYPES.values()
+            else {}
+        ),
         "tokenizer_class": _tokenizer_class(out_dir),
     }
     staging.write_text(json.dumps(recorded))
@@ -376,10 +403,11 @@ def _record_tensor_types(
 
 
 def _head_digest(path: Path) -> str:
-    """Of the file's size and its first _HEAD_BYTES (its metadata), and of the transformers
-    version that derives config, tokenizer and names from them."""
+    """Of the file's size and its first _HEAD_BYTES (its metadata), and of the transformers and
+    gguf versions that derive config, tokenizer and names from them."""
     digest = hashlib.sha256(str(path.stat().st_size).encode())
-    digest.update(f"{_METADATA_FORMAT} {importlib.metadata.version('transformers')}".encode())
+    versions = " ".join(importlib.metadata.version(name) for name in ("transformers", "gguf"))
+    digest.update(f"{_METADATA_FORMAT} {versions}".encode())
     with path.open("rb") as handle:
         digest.update(handle.read(_HEAD_BYTES))
     return digest.hexdigest()

@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -890,7 +890,7 @@ void read_q6_k(const uint8_t* __restrict raw, SuperBlock& block, uint8_t* __rest
 // interleaved two by two four times over (bytes, then pairs, quads and eights of them).
 inline void transpose_bytes_16x16(const uint8_t* in, int64_t in_stride, uint8_t* out,
                                   int64_t out_stride) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(__SSE2__)
   __m128i a[16], b[16];
   for (int64_t i = 0; i < 16; ++i) {
     a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * in_stride));
@@ -938,7 +938,7 @@ at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_
               op, ": rows must be contiguous uint8 [out, blocks * ", gguf_bytes, "], got ",
               rows.sizes(), " ", rows.scalar_type());
   constexpr int64_t groups = Format::kGroupsPerBlock, header = Format::kHeaderBytes;
-  static_assert(kPanel % 16 == 0 && kBlockBytes<Format> == header + 256 * Format::kRowBytes);
+  static_assert(kBlockBytes<Format> == header + 256 * Format::kRowBytes);
   const int64_t out = rows.size(0), num_blocks = rows.size(1) / gguf_bytes;
   const int64_t num_panels = (out + kPanel - 1) / kPanel;
   at::Tensor packed = at::empty({num_panels, num_blocks, kBlockBytes<Format>}, at::kByte);
@@ -962,13 +962,19 @@ at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_
           to[4 * kPanel + (groups + g) * kPanel + f] = static_cast<uint8_t>(block.m[g]);
         }
       }
-      std::memset(by_feature[features], 0, (kPanel - features) * 256);
+      std::memset(&by_feature[0][0] + features * 256, 0, (kPanel - features) * 256);
       // Q6_K's panel rows are a byte a feature: the values go straight to them.
       constexpr bool bytes = std::is_same_v<Format, Q6_K>;
       uint8_t* transposed = bytes ? to + header : &by_input[0][0];
-      for (int64_t f = 0; f < kPanel; f += 16) {
-        for (int64_t k = 0; k < 256; k += 16) {
-          transpose_bytes_16x16(&by_feature[f][k], 256, transposed + k * kPanel + f, kPanel);
+      if constexpr (kPanel % 16 == 0) {
+        for (int64_t f = 0; f < kPanel; f += 16) {
+          for (int64_t k = 0; k < 256; k += 16) {
+            transpose_bytes_16x16(&by_feature[f][k], 256, transposed + k * kPanel + f, kPanel);
+          }
+        }
+      } else {  // panels of 8 features (vectors of 4 floats)
+        for (int64_t f = 0; f < kPanel; ++f) {
+          for (int64_t k = 0; k < 256; ++k) transposed[k * kPanel + f] = by_feature[f][k];
         }
       }
       if constexpr (!bytes) {  // two features a byte: the first half's low, the second's high
