@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedserve.model.source import GGUFTensor, GGUFTensorTypes
+from pagedserve.model.source import GGUFTensor, GGUFTensorTypes, transformers_processor
 
 # The GGUF types each block format holds exactly (a value range and header that contain
 # the type's).
@@ -301,9 +301,7 @@ class GGUFNames:
 
     def __init__(self, types: GGUFTensorTypes, config: dict):
         """config: the model's config.json, as transformers' config writes it."""
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-        self.processor = TENSOR_PROCESSORS.get(types.architecture, TensorProcessor)(config)
+        self.processor = transformers_processor(types.architecture, config)
         self.names = types.transformers_names
         # A mixture of experts stores each projection of a layer's experts as one tensor,
         # [experts, out, in], which transformers' loader splits by its processor's own map: by

@@ -335,17 +335,26 @@ def gguf_tokenizer_class(model_dir: Path) -> type | None:
     return getattr(importlib.import_module(module), name)
 
 
+def transformers_processor(architecture: str, config: dict):
+    """transformers' GGUF tensor processor of a GGUF architecture (e.g. "llama"), for config (a
+    config.json's settings): it names the tensors as transformers' loader does, and transforms
+    them as it does on the way (llama's queries' and keys' rows permuted, Gemma's norms less
+    one)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config)
+
+
 def _transformers_names(architecture: str, config) -> dict[str, str]:
     """GGUF tensor names -> transformers' parameter names, as transformers' get_gguf_hf_weights_map
     pairs them: from the state dict of transformers' model of config built on the meta device."""
     import torch
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == architecture)
     name_map = get_tensor_name_map(arch, config.num_hidden_layers)
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config.to_dict())
+    processor = transformers_processor(architecture, config.to_dict())
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     names: dict[str, str] = {}
@@ -358,6 +367,8 @@ def _transformers_names(architecture: str, config) -> dict[str, str]:
 
 
 def _tokenizer_class(model_dir: Path) -> str:
+    """The class AutoTokenizer picks for the tokenizer files written to model_dir, which later
+    starts load (not necessarily the class it built from the GGUF file itself)."""
     from transformers import AutoTokenizer
 
     chosen = type(AutoTokenizer.from_pretrained(model_dir))
