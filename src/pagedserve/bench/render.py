@@ -24,7 +24,7 @@ from pagedserve.bench.records import (
     fastest,
     output_ratio,
 )
-from pagedserve.bench.sweep import largest_meeting
+from pagedserve.bench.sweep import FLAT_TOLERANCE, largest_meeting
 from pagedserve.bench.tables import cell, markdown_table, serve_table
 
 # W1 with every request seated, by row of the report: offline with the weights as the other rows
@@ -302,6 +302,7 @@ def _environment() -> jinja2.Environment:
         seated_rows=SEATED_ROWS,
         step_phases=STEP_PHASES,
         headline_rows=HEADLINE_ROWS,
+        flat_tolerance=FLAT_TOLERANCE,
     )
     return env
 
