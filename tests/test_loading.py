@@ -153,18 +153,32 @@ from pagedserve import LLM, SamplingParams
 llm = LLM(None, dtype="float32", num_kv_blocks=8)
 params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 tokens = llm.generate(["Hello, how are you?"], params)[0].outputs[0].token_ids
-heavy = ("configuration_llama", "modeling_llama", "tokenization_auto", "modeling_utils")
+heavy = (
+    "configuration_llama",
+    "modeling_llama",
+    "tokenization_auto",
+    "modeling_utils",
+    "modeling_gguf_pytorch_utils",
+)
 print(json.dumps([tokens, sorted(m for m in sys.modules if m.rsplit(".", 1)[-1] in heavy)]))
 """
 
 
 def test_a_later_start_reads_what_the_first_derived_from_the_gguf_metadata(monkeypatch, tmp_path):
-    """transformers' names of the tensors and the tokenizer's class are recorded with the
-    metadata, so that a later start builds neither transformers' config class nor its model
-    (a second or two of each start) and loads the tokenizer AutoTokenizer picks."""
+    """transformers' names of the tensors, the orders its GGUF loader takes their rows in and the
+    tokenizer's class are recorded with the metadata, so that a later start builds neither
+    transformers' config class nor its model (a second or two of each start), imports no GGUF
+    processor, and loads the tokenizer AutoTokenizer picks."""
+    import numpy as np
     from transformers import AutoTokenizer
 
-    from pagedserve.model.source import gguf_tokenizer_class
+    from pagedserve.model.gguf_blocks import GGUFNames, linear_parts
+    from pagedserve.model.source import (
+        default_gguf_path,
+        gguf_tensor_types,
+        gguf_tokenizer_class,
+        transformers_processor,
+    )
 
     env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
     runs = [
@@ -182,6 +196,7 @@ def test_a_later_start_reads_what_the_first_derived_from_the_gguf_metadata(monke
     )
     assert tokens == first_tokens
     assert "transformers.models.llama.modeling_llama" in first_imported
+    assert "transformers.modeling_gguf_pytorch_utils" in first_imported
     assert imported == []
     monkeypatch.setenv("PAGEDSERVE_CACHE", env["PAGEDSERVE_CACHE"])
     model_dir = resolve_model_dir(None)
@@ -193,3 +208,19 @@ def test_a_later_start_reads_what_the_first_derived_from_the_gguf_metadata(monke
         auto.apply_chat_template(chat, add_generation_prompt=True)
     )
     assert recorded.all_special_ids == auto.all_special_ids
+    # Llama's queries and keys are the tensors transformers' loader reorders; the recorded orders
+    # take the rows as its processor does.
+    types = gguf_tensor_types(model_dir)
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert set(types.row_orders) == {
+        f"blk.{layer}.attn_{proj}.weight" for layer in range(layers) for proj in "qk"
+    }
+    config = json.loads((model_dir / "config.json").read_text())
+    names, processor = GGUFNames(types, config), transformers_processor(types.architecture, config)
+    assert names.processor is None
+    parts = linear_parts(default_gguf_path(), types, names)
+    for name in ("blk.0.attn_q.weight", "blk.3.attn_k.weight", "blk.0.attn_v.weight"):
+        rows = np.memmap(default_gguf_path(), np.uint8, mode="r", offset=types.tensors[name].offset)
+        rows = rows[: types.tensors[name].nbytes].reshape(types.tensors[name].rows, -1)
+        expected = processor.process(weights=rows, name=name, parsed_parameters={}).weights
+        assert np.array_equal(parts[types.transformers_names[name]].rows, expected)

@@ -18,7 +18,6 @@ weights are those that transformers dequantizes, row for row.
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedserve.model.source import GGUFTensor, GGUFTensorTypes, transformers_processor
+from pagedserve.model.source import (
+    EXPERT_TENSOR,
+    GGUFTensor,
+    GGUFTensorTypes,
+    transformers_processor,
+)
 
 # The GGUF types each block format holds exactly (a value range and header that contain
 # the type's).
@@ -290,9 +294,6 @@ def _super_block_inputs(format_name: str, decoded: list[_SuperBlocks]) -> list[t
     return [torch.from_numpy(np.ascontiguousarray(array)) for array in arrays]
 
 
-_EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
-
-
 class GGUFNames:
     """GGUF tensor names -> transformers' parameter names (as recorded with the file's metadata,
     model/source.py), and the transformations transformers' GGUF loader makes on the way (llama's
@@ -301,7 +302,12 @@ class GGUFNames:
 
     def __init__(self, types: GGUFTensorTypes, config: dict):
         """config: the model's config.json, as transformers' config writes it."""
-        self.processor = transformers_processor(types.architecture, config)
+        # The rows' orders the processor gave at the file's first start, where that is all it
+        # does: importing it costs a later start a third of a second (transformers.models).
+        self.row_orders = types.row_orders
+        self.processor = (
+            transformers_processor(types.architecture, config) if self.row_orders is None else None
+        )
         self.names = types.transformers_names
         # A mixture of experts stores each projection of a layer's experts as one tensor,
         # [experts, out, in], which transformers' loader splits by its processor's own map: by
@@ -309,7 +315,7 @@ class GGUFNames:
         self.experts: dict[str, tuple[int, str]] = {
             name: (int(match["layer"]), match["proj"])
             for name in types.tensors
-            if (match := _EXPERT_TENSOR.fullmatch(name))
+            if (match := EXPERT_TENSOR.fullmatch(name))
         }
 
     def expert_names(self, name: str, count: int) -> list[str]:
@@ -318,7 +324,11 @@ class GGUFNames:
         return [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in range(count)]
 
     def process(self, name: str, data: np.ndarray) -> np.ndarray:
-        return self.processor.process(weights=data, name=name, parsed_parameters={}).weights
+        """The tensor of GGUF name `name` (or an expert's matrix of it) as transformers loads it."""
+        if self.processor is not None:
+            return self.processor.process(weights=data, name=name, parsed_parameters={}).weights
+        order = self.row_orders.get(name)
+        return data if order is None else data[order]
 
 
 def _mapped(gguf_path: Path, tensor: GGUFTensor) -> np.ndarray:

