@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 
@@ -252,6 +252,22 @@ def measure(label: str, script: str, model: Path, cache: Path, threads: int) -> 
     )
 
 
+# llama.cpp and our later starts run this many times, taking turns, each judged by its best run:
+# a start takes seconds, and one busy spell on the shared machine could set a ratio alone.
+REPEATS = 3
+
+
+def _best_of(runs: list[LoadRun]) -> LoadRun:
+    """One row for the runs of one setting: the fastest start and decode, the largest peak."""
+    fastest = min(runs, key=lambda run: run.first_token_s)
+    return replace(
+        fastest,
+        decode_tok_s=max(run.decode_tok_s for run in runs),
+        peak_rss=max(run.peak_rss for run in runs),
+        written=max(run.written for run in runs),
+    )
+
+
 def run_load(out_dir: Path, work_dir: Path, sizes: list[str], threads: int) -> Path:
     """Makes the files of each size under work_dir (kept for later runs), measures ours and
     llama.cpp on them, and writes out_dir/LOAD.md."""
@@ -278,10 +294,16 @@ def run_load(out_dir: Path, work_dir: Path, sizes: list[str], threads: int) -> P
 
             shutil.rmtree(cache)
         rows = runs.setdefault(size, [])
+        first = measure("ours, Q4_K_M, first start", _OURS, q4_k_m, cache, threads)
+        turns = [("ours, Q4_K_M, again", _OURS)]
         if llama_cpp_installed():
-            rows.append(measure(f"{NAME}, Q4_K_M", _LLAMA_CPP, q4_k_m, cache, threads))
-        rows.append(measure("ours, Q4_K_M, first start", _OURS, q4_k_m, cache, threads))
-        rows.append(measure("ours, Q4_K_M, again", _OURS, q4_k_m, cache, threads))
+            turns.insert(0, (f"{NAME}, Q4_K_M", _LLAMA_CPP))
+        rounds = [
+            [measure(label, script, q4_k_m, cache, threads) for label, script in turns]
+            for _ in range(REPEATS)
+        ]
+        best = [_best_of(list(runs_of_one)) for runs_of_one in zip(*rounds, strict=True)]
+        rows.extend([*best[:-1], first, best[-1]])
         if size == "1.1b":
             bf16 = work_dir / f"random-llama-{size}-bf16"
             if not (bf16 / "model.safetensors.index.json").is_file():
@@ -300,10 +322,12 @@ def run_load(out_dir: Path, work_dir: Path, sizes: list[str], threads: int) -> P
         f"## Loading real sizes on {host.kind} ({date.today().isoformat()})",
         "",
         f"`pagedserve bench load` on {host.describe()}, {threads} threads, one fresh process a "
-        "row, the page cache warm (each file was read just before). Random weights of real shapes "
-        "with SmolLM2's 49,152-token vocabulary, made Q4_K_M by llama.cpp's quantizer: TinyLlama's "
-        "shape (1.1B) and Llama 2 7B's. Start to first token: from the process's start, imports "
-        "included, to its first token of a 32-token prompt; decode: the 64 tokens after it. Each "
+        "run, the page cache warm (each file was read just before); llama.cpp and our later "
+        f"starts ran {REPEATS} times, taking turns, each row their fastest start and decode. "
+        "Random weights of real shapes with SmolLM2's 49,152-token vocabulary, made Q4_K_M by "
+        "llama.cpp's quantizer: TinyLlama's shape (1.1B) and Llama 2 7B's. Start to first token: "
+        "from the process's start, imports included, to its first token of a 32-token prompt "
+        "(in brackets: against llama.cpp's); decode: the 64 tokens after it. Each "
         f"holds a KV cache of {CONTEXT} tokens (ours: blocks of 16 float32 tokens). Bound: the "
         f"machine's measured memory bandwidth ({bandwidth:.1f} GB/s) over the weight bytes one "
         "decode step reads (ours: the packed linear maps as held). llama.cpp: llama-cpp-python "
@@ -314,10 +338,14 @@ def run_load(out_dir: Path, work_dir: Path, sizes: list[str], threads: int) -> P
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for size, rows in runs.items():
+        peer = next((run for run in rows if run.label.startswith(NAME)), None)
         for run in rows:
+            start = f"{run.first_token_s:.1f} s"
+            if peer is not None and run is not peer:
+                start += f" ({run.first_token_s / peer.first_token_s:.2f}x)"
             lines.append(
                 f"| {size}: {run.label} | {run.file_bytes / MIB:,.0f} MiB "
-                f"| {run.first_token_s:.1f} s | {run.peak_rss / MIB:,.0f} MiB "
+                f"| {start} | {run.peak_rss / MIB:,.0f} MiB "
                 f"| {run.written / MIB:,.1f} MiB | {run.decode_tok_s:.1f} tokens/s "
                 f"| {bound(run)} |"
             )
