@@ -327,7 +327,7 @@ def run_load(out_dir: Path, work_dir: Path, sizes: list[str], threads: int) -> P
         "Random weights of real shapes with SmolLM2's 49,152-token vocabulary, made Q4_K_M by "
         "llama.cpp's quantizer: TinyLlama's shape (1.1B) and Llama 2 7B's. Start to first token: "
         "from the process's start, imports included, to its first token of a 32-token prompt "
-        "(in brackets: against llama.cpp's); decode: the 64 tokens after it. Each "
+        "(in brackets: against llama.cpp's on the same file); decode: the 64 tokens after it. Each "
         f"holds a KV cache of {CONTEXT} tokens (ours: blocks of 16 float32 tokens). Bound: the "
         f"machine's measured memory bandwidth ({bandwidth:.1f} GB/s) over the weight bytes one "
         "decode step reads (ours: the packed linear maps as held). llama.cpp: llama-cpp-python "
@@ -341,7 +341,7 @@ def run_load(out_dir: Path, work_dir: Path, sizes: list[str], threads: int) -> P
         peer = next((run for run in rows if run.label.startswith(NAME)), None)
         for run in rows:
             start = f"{run.first_token_s:.1f} s"
-            if peer is not None and run is not peer:
+            if peer is not None and run is not peer and run.file_bytes == peer.file_bytes:
                 start += f" ({run.first_token_s / peer.first_token_s:.2f}x)"
             lines.append(
                 f"| {size}: {run.label} | {run.file_bytes / MIB:,.0f} MiB "
