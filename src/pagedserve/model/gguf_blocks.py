@@ -53,7 +53,9 @@ class GGUFPart:
     """One tensor of a linear map as the file stores it."""
 
     type: str  # e.g. "Q4_K"
-    rows: np.ndarray  # uint8 [out_features, bytes per row]: a view of the file's memory map
+    # uint8 [out_features, bytes per row]: a view of the file's memory map, or a copy of its rows
+    # reordered as transformers' GGUF loader takes them.
+    rows: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -297,8 +299,9 @@ def _super_block_inputs(format_name: str, decoded: list[_SuperBlocks]) -> list[t
 class GGUFNames:
     """GGUF tensor names -> transformers' parameter names (as recorded with the file's metadata,
     model/source.py), and the transformations transformers' GGUF loader makes on the way (llama's
-    queries' and keys' rows permuted, Gemma's norms less one), by its own processor, so that a
-    tensor read here is the one it reads."""
+    queries' and keys' rows permuted, Gemma's norms less one), so that a tensor read here is the
+    one it reads: by the rows' orders its processor gave at the file's first start where that is
+    all it does, else by the processor itself."""
 
     def __init__(self, types: GGUFTensorTypes, config: dict):
         """config: the model's config.json, as transformers' config writes it."""
@@ -324,7 +327,8 @@ class GGUFNames:
         return [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in range(count)]
 
     def process(self, name: str, data: np.ndarray) -> np.ndarray:
-        """The tensor of GGUF name `name` (or an expert's matrix of it) as transformers loads it."""
+        """The tensor of GGUF name `name` (or an expert's matrix of it) as transformers loads it:
+        its rows taken in the recorded order, or the processor's result."""
         if self.processor is not None:
             return self.processor.process(weights=data, name=name, parsed_parameters={}).weights
         order = self.row_orders.get(name)
@@ -343,7 +347,7 @@ def linear_parts(gguf_path: Path, types: GGUFTensorTypes, names: GGUFNames) -> d
     """The file's matrices stored in a block type, by the name transformers gives the
     parameter (e.g. "model.layers.0.self_attn.q_proj.weight"), with their rows permuted as
     transformers' GGUF loader permutes them; read from a memory map of the file (nothing is
-    copied)."""
+    copied but the rows of the tensors it permutes)."""
     parts = {}
     for name, tensor in types.tensors.items():
         if tensor.type in BLOCK_TYPES and name in names.experts:

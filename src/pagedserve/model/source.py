@@ -283,7 +283,8 @@ class GGUFTensor:
 @dataclass(frozen=True)
 class GGUFTensorTypes:
     """GGUF quantization types, e.g. "Q4_1", of the tensors a model's products read; with where
-    every tensor lies, its transformers name and the tokenizer's class (_TENSOR_TYPES_FILE)."""
+    every tensor lies, its transformers name, the order transformers takes its rows in and the
+    tokenizer's class (_TENSOR_TYPES_FILE)."""
 
     linear_maps: frozenset[str]  # of the transformer blocks' linear maps
     logits: str  # of the output projection: output.weight, or token_embd.weight when tied
@@ -423,7 +424,8 @@ def _record_tensor_types(
     architecture: str, tensors: dict[str, GGUFTensor], out_dir: Path, config
 ) -> None:
     """_TENSOR_TYPES_FILE: the types of the maps and the logits, where each tensor lies, its
-    transformers name and the tokenizer's class (config: transformers' config of the file)."""
+    transformers name, the order transformers takes its rows in and the tokenizer's class
+    (config: transformers' config of the file)."""
     from pagedserve.model.config import MODEL_TYPES
 
     types = {name: tensor.type for name, tensor in tensors.items()}
