@@ -172,7 +172,7 @@ def test_a_later_start_reads_what_the_first_derived_from_the_gguf_metadata(monke
     import numpy as np
     from transformers import AutoTokenizer
 
-    from pagedserve.model.gguf_blocks import GGUFNames, linear_parts
+    from pagedserve.model.gguf_blocks import GGUFNames, _mapped, linear_parts
     from pagedserve.model.source import (
         default_gguf_path,
         gguf_tensor_types,
@@ -211,16 +211,16 @@ def test_a_later_start_reads_what_the_first_derived_from_the_gguf_metadata(monke
     # Llama's queries and keys are the tensors transformers' loader reorders; the recorded orders
     # take the rows as its processor does.
     types = gguf_tensor_types(model_dir)
-    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    assert set(types.row_orders) == {
-        f"blk.{layer}.attn_{proj}.weight" for layer in range(layers) for proj in "qk"
-    }
     config = json.loads((model_dir / "config.json").read_text())
+    assert set(types.row_orders) == {
+        f"blk.{layer}.attn_{proj}.weight"
+        for layer in range(config["num_hidden_layers"])
+        for proj in "qk"
+    }
     names, processor = GGUFNames(types, config), transformers_processor(types.architecture, config)
     assert names.processor is None
     parts = linear_parts(default_gguf_path(), types, names)
     for name in ("blk.0.attn_q.weight", "blk.3.attn_k.weight", "blk.0.attn_v.weight"):
-        rows = np.memmap(default_gguf_path(), np.uint8, mode="r", offset=types.tensors[name].offset)
-        rows = rows[: types.tensors[name].nbytes].reshape(types.tensors[name].rows, -1)
+        rows = _mapped(default_gguf_path(), types.tensors[name])
         expected = processor.process(weights=rows, name=name, parsed_parameters={}).weights
         assert np.array_equal(parts[types.transformers_names[name]].rows, expected)
