@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import rounded_to_q8
 
+import pagedserve
 from pagedserve.model.kernels import build_directory_of, cpu_kernels_available
 from pagedserve.model.rotary import RotaryEmbedding, default_frequencies
 
@@ -583,20 +584,44 @@ def test_decode_layers_rejects_a_wrong_weight_list():
         call([None] * 28)
 
 
-def test_kernels_load_past_the_lock_of_an_interrupted_build(tmp_path):
+def test_kernels_load_past_the_lock_of_an_interrupted_build():
     """A build killed midway (Ctrl-C on the first start) leaves torch's `lock` file behind, on
     which torch's loader waits forever: a new process loads the kernels anyway and removes it."""
     assert cpu_kernels_available()
     from torch.utils import cpp_extension
 
-    built = build_directory_of(cpp_extension)
-    copy = tmp_path / built.name
-    shutil.copytree(built, copy)  # built already: loading it again needs no compiler
-    (copy / "lock").touch()
+    built = build_directory_of(cpp_extension)  # built already: loading it needs no compiler
+    (built / "lock").touch()
     load = "from pagedserve.model.kernels import cpu_kernels_available as a; assert a()"
-    environment = os.environ | {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", load], env=environment, check=True, timeout=300)
-    assert not (copy / "lock").exists()
+    subprocess.run([sys.executable, "-c", load], check=True, timeout=300)
+    assert not (built / "lock").exists()
+
+
+def test_a_second_checkout_with_the_same_sources_loads_the_same_build(tmp_path):
+    """Kernel builds are named by what they are built from, and compiled from a copy of the
+    sources kept with the build: a checkout elsewhere with the same csrc/ loads this build as it
+    is, where compiling its own copies (other paths to ninja) would rebuild it."""
+    assert cpu_kernels_available()
+    from torch.utils import cpp_extension
+
+    built = build_directory_of(cpp_extension)
+    library = built / "pagedserve_kernels.so"
+    before = library.stat().st_mtime_ns
+    checkout = tmp_path / "checkout"
+    shutil.copytree(Path(pagedserve.__file__).parent, checkout / "pagedserve")
+    load = (
+        "import pagedserve, torch.utils.cpp_extension as e\n"
+        "from pagedserve.model.kernels import build_directory_of, cpu_kernels_available\n"
+        "assert cpu_kernels_available()\n"
+        "print(pagedserve.__file__, build_directory_of(e))"
+    )
+    environment = os.environ | {"PYTHONPATH": str(checkout)}
+    loaded = subprocess.run(
+        [sys.executable, "-c", load], env=environment, check=True, timeout=300,
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert loaded.stdout.split() == [str(checkout / "pagedserve" / "__init__.py"), str(built)]
+    assert library.stat().st_mtime_ns == before
 
 
 _INTEGER_PRODUCTS = """

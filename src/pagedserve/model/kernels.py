@@ -5,9 +5,11 @@ over rows), built on first use by torch.utils.cpp_extension and cached by it
 machine pays the build.
 
 A build's directory is named by a hash of what it was built from: the sources, the compiler
-flags, torch's version and the CPU's instruction sets. Two checkouts, or two kinds of CPU sharing
-a home directory, each keep their own build instead of rebuilding over the other's, and no
-process loads a build made for instructions its CPU lacks."""
+flags, torch's version and place and the CPU's instruction sets, and the sources are compiled
+from a copy kept in it. Two checkouts with the same sources share one build; checkouts with other
+sources or another torch, or two kinds of CPU sharing a home directory, each keep their own build
+instead of rebuilding over the other's; and no process loads a build made for instructions its
+CPU lacks."""
 
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def cpu_kernels_available() -> bool:
         with _build_lock(build_directory):
             cpp_extension.load(
                 name="pagedserve_kernels",
-                sources=[str(source) for source in _SOURCES],
+                sources=[str(source) for source in _sources_in(build_directory)],
                 extra_cflags=_cflags(),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_directory),
@@ -98,14 +100,35 @@ def _cflags() -> list[str]:
 
 def build_key(cpu: CpuFeatures | None = None) -> str:
     """A hash of everything a build depends on: csrc/'s files, the flags, torch's version and
-    the instruction sets of the CPU (this one by default)."""
+    where it is installed (its headers and libraries), and the instruction sets of the CPU (this
+    one by default)."""
     digest = hashlib.sha256()
-    for path in sorted(_CSRC.iterdir()):
-        if path.suffix in (".cpp", ".h"):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in _kernel_files():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(" ".join(_cflags()).encode() + b"\0" + torch.__version__.encode() + b"\0")
+    digest.update(str(Path(torch.__file__).parent).encode() + b"\0")
     digest.update(" ".join((cpu or CpuFeatures.host()).instruction_sets).encode())
     return digest.hexdigest()[:16]
+
+
+def _kernel_files() -> list[Path]:
+    return sorted(path for path in _CSRC.iterdir() if path.suffix in (".cpp", ".h"))
+
+
+def _sources_in(build_directory: Path) -> list[Path]:
+    """The sources to compile: csrc/'s files as copied into the build directory by its first
+    load. ninja rebuilds whatever is compiled from another path, so two checkouts compiling
+    their own identical copies would rebuild over each other; from this copy, which the
+    directory's name says is theirs, they share a build."""
+    copy = build_directory / "csrc"
+    if not copy.is_dir():
+        partial = build_directory / "csrc.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        for path in _kernel_files():
+            shutil.copy2(path, partial / path.name)
+        partial.rename(copy)
+    return [copy / source.name for source in _SOURCES]
 
 
 def build_directory_of(cpp_extension) -> Path:
