@@ -210,8 +210,7 @@ def pack(format_name: str, parts: Sequence[GGUFPart], rows: int = PACK_ROWS) -> 
     if any(len(part.rows) % _PANEL_ROWS for part in parts[:-1]):
         return _pack(format_name, parts)
     if all((part.type, format_name) in _STRAIGHT for part in parts):
-        packed = [_pack_straight(format_name, part) for part in parts]
-        return packed[0] if len(packed) == 1 else torch.cat(packed)
+        return _pack_straight(format_name, parts)
     pieces = [
         GGUFPart(part.type, part.rows[start : start + rows])
         for part in parts
@@ -228,12 +227,12 @@ def pack(format_name: str, parts: Sequence[GGUFPart], rows: int = PACK_ROWS) -> 
 _STRAIGHT = {("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q4_K", "q6_k")}
 
 
-def _pack_straight(format_name: str, part: GGUFPart) -> torch.Tensor:
-    rows = np.ascontiguousarray(part.rows)
+def _pack_straight(format_name: str, parts: Sequence[GGUFPart]) -> torch.Tensor:
+    """The parts' panels, each part's after the previous one's, packed in place by one op."""
     with warnings.catch_warnings():  # the map is read-only; the op only reads it
         warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.from_numpy(rows)
-    return torch.ops.pagedserve.pack_k_quant_blocks(tensor, part.type, format_name)
+        rows = [torch.from_numpy(np.ascontiguousarray(part.rows)) for part in parts]
+    return torch.ops.pagedserve.pack_k_quant_blocks(rows, [p.type for p in parts], format_name)
 
 
 def _pack(format_name: str, parts: Sequence[GGUFPart]) -> torch.Tensor:

@@ -26,7 +26,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("pack_q4_k(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
   m.def("pack_q5_k(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
   m.def("pack_q6_k(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
-  m.def("pack_k_quant_blocks(Tensor rows, str type, str format) -> Tensor");
+  m.def("pack_k_quant_blocks(Tensor[] parts, str[] types, str format) -> Tensor");
   m.def(
       "packed_linear(Tensor input, Tensor packed_weight, int out_features, Tensor? bias, "
       "Tensor? scale=None) -> Tensor");

@@ -30,6 +30,7 @@
 #include <optional>
 #include <type_traits>
 #include <utility>
+#include <string>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -926,24 +927,20 @@ inline void transpose_bytes_16x16(const uint8_t* in, int64_t in_stride, uint8_t*
 }
 
 // The panels that pack_q4_k or pack_q6_k make of a GGUF file's Q4_K or Q6_K rows ([out][in /
-// 256 * block bytes] uint8, as the file stores them), written from the blocks in one pass, the
-// panels' blocks shared between threads, with no integer arrays in between: a panel's block
-// decodes its kPanel features' blocks one by one, then turns their values input-major sixteen
-// by sixteen. Every byte of the packed block is written (features past out: zeros).
+// 256 * block bytes] uint8, as the file stores them), written to target ([ceil(out / kPanel)]
+// [blocks][block bytes]) from the blocks in one pass, the panels' blocks shared between threads,
+// with no integer arrays in between: a panel's block decodes its kPanel features' blocks one by
+// one, then turns their values input-major sixteen by sixteen. Every byte of the packed block is
+// written (features past out: zeros).
+using ReadSuperBlock = void (*)(const uint8_t*, SuperBlock&, uint8_t*);
 template <typename Format>
-at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_t gguf_bytes,
-                                  void (*read)(const uint8_t*, SuperBlock&, uint8_t*)) {
-  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
-                  rows.size(1) % gguf_bytes == 0,
-              op, ": rows must be contiguous uint8 [out, blocks * ", gguf_bytes, "], got ",
-              rows.sizes(), " ", rows.scalar_type());
+void pack_gguf_super_blocks(const at::Tensor& rows, int64_t gguf_bytes, ReadSuperBlock read,
+                            uint8_t* target) {
   constexpr int64_t groups = Format::kGroupsPerBlock, header = Format::kHeaderBytes;
   static_assert(kBlockBytes<Format> == header + 256 * Format::kRowBytes);
   const int64_t out = rows.size(0), num_blocks = rows.size(1) / gguf_bytes;
   const int64_t num_panels = (out + kPanel - 1) / kPanel;
-  at::Tensor packed = at::empty({num_panels, num_blocks, kBlockBytes<Format>}, at::kByte);
   const uint8_t* source = rows.data_ptr<uint8_t>();
-  uint8_t* target = packed.data_ptr<uint8_t>();
   at::parallel_for(0, num_panels * num_blocks, 1, [&](int64_t begin, int64_t end) {
     SuperBlock block;
     alignas(64) uint8_t by_feature[kPanel][256];
@@ -987,7 +984,6 @@ at::Tensor pack_gguf_super_blocks(const char* op, const at::Tensor& rows, int64_
       }
     }
   });
-  return packed;
 }
 
 // Q4_K's groups of 32 as q6_k's groups of 16: each group's sc and m twice.
@@ -997,19 +993,56 @@ void read_q4_k_as_16_groups(const uint8_t* raw, SuperBlock& block, uint8_t* valu
 }
 
 // format "q4_k" of type "Q4_K"; format "q6_k" of type "Q6_K" or "Q4_K" (a fused map's Q4_K parts
-// beside a Q6_K one).
-at::Tensor pack_k_quant_blocks(const at::Tensor& rows, c10::string_view type,
+// beside a Q6_K one). Each part's panels follow the previous part's in one tensor, so that a fused
+// map's parts are packed in place, with no copy to join them.
+at::Tensor pack_k_quant_blocks(at::TensorList parts, const std::vector<std::string>& types,
                                c10::string_view format) {
-  if (format == "q4_k" && type == "Q4_K") {
-    return pack_gguf_super_blocks<Q4_K>("pack_k_quant_blocks", rows, 144, read_q4_k);
+  const char* op = "pack_k_quant_blocks";
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size(), op,
+              ": one type a part, for at least one part; got ", parts.size(), " parts and ",
+              types.size(), " types");
+  const auto pack = [&](auto format_tag, auto&& reader_of) {
+    using Format = decltype(format_tag);
+    int64_t num_panels = 0, num_blocks = -1;
+    std::vector<std::pair<int64_t, ReadSuperBlock>> readers;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const auto [gguf_bytes, read] = reader_of(types[i]);
+      const at::Tensor& rows = parts[i];
+      TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
+                      rows.size(1) % gguf_bytes == 0,
+                  op, ": part ", i, " must be contiguous uint8 [out, blocks * ", gguf_bytes,
+                  "], got ", rows.sizes(), " ", rows.scalar_type());
+      if (i == 0) num_blocks = rows.size(1) / gguf_bytes;
+      TORCH_CHECK(rows.size(1) / gguf_bytes == num_blocks, op, ": part ", i, " has ",
+                  rows.size(1) / gguf_bytes, " blocks a row, the first part ", num_blocks);
+      readers.emplace_back(gguf_bytes, read);
+      num_panels += (rows.size(0) + kPanel - 1) / kPanel;
+    }
+    at::Tensor packed = at::empty({num_panels, num_blocks, kBlockBytes<Format>}, at::kByte);
+    uint8_t* target = packed.data_ptr<uint8_t>();
+    for (size_t i = 0; i < parts.size(); ++i) {
+      pack_gguf_super_blocks<Format>(parts[i], readers[i].first, readers[i].second, target);
+      target += (parts[i].size(0) + kPanel - 1) / kPanel * num_blocks * kBlockBytes<Format>;
+    }
+    return packed;
+  };
+  const auto refuse = [&](const std::string& type) {
+    TORCH_CHECK(false, op, ": no packing of GGUF ", type, " blocks as ", format);
+    return std::pair<int64_t, ReadSuperBlock>{};
+  };
+  if (format == "q4_k") {
+    return pack(Q4_K{}, [&](const std::string& type) {
+      return type == "Q4_K" ? std::pair<int64_t, ReadSuperBlock>{144, read_q4_k} : refuse(type);
+    });
   }
-  if (format == "q6_k" && type == "Q6_K") {
-    return pack_gguf_super_blocks<Q6_K>("pack_k_quant_blocks", rows, 210, read_q6_k);
+  if (format == "q6_k") {
+    return pack(Q6_K{}, [&](const std::string& type) {
+      if (type == "Q6_K") return std::pair<int64_t, ReadSuperBlock>{210, read_q6_k};
+      if (type == "Q4_K") return std::pair<int64_t, ReadSuperBlock>{144, read_q4_k_as_16_groups};
+      return refuse(type);
+    });
   }
-  if (format == "q6_k" && type == "Q4_K") {
-    return pack_gguf_super_blocks<Q6_K>("pack_k_quant_blocks", rows, 144, read_q4_k_as_16_groups);
-  }
-  TORCH_CHECK(false, "pack_k_quant_blocks: no packing of GGUF ", type, " blocks as ", format);
+  TORCH_CHECK(false, op, ": no packing of GGUF ", types.front(), " blocks as ", format);
 }
 
 int64_t packed_in_features(const at::Tensor& packed_weight) {
