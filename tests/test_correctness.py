@@ -269,6 +269,38 @@ def test_integer_products_match_transformers_on_inputs_rounded_as_they_round_the
     _assert_greedy_matches_up_to_near_ties(llm, model, _inputs_rounded_to_q8)
 
 
+@pytest.mark.cpu_only
+def test_q4_k_q8_matches_transformers_on_a_q4_k_gguf_with_inputs_rounded(monkeypatch, tmp_path):
+    """q4_k_q8 multiplies a GGUF file's Q4_K blocks in integers against each map's inputs rounded
+    to 8 bits per group of 32: transformers reading the same file, its maps' inputs so rounded,
+    up to near ties. Every matrix of the file is Q4_K, the output projection's too."""
+    import gguf
+    from gguf_quantize import quantize
+
+    from pagedserve.bench.kquants import rewrite_gguf
+    from pagedserve.bench.load import Shape, write_f16_gguf
+
+    shape = Shape(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2)
+    f16 = write_f16_gguf(tmp_path / "random-llama-tiny.F16.gguf", shape, spread=0.2)
+    path = tmp_path / "random-llama-tiny.Q4_K.gguf"
+
+    def as_q4_k(tensor):
+        if tensor.tensor_type != gguf.GGMLQuantizationType.F16:
+            return tensor.data, tensor.tensor_type
+        weights = tensor.data.astype(np.float32)
+        return quantize(weights, "Q4_K"), gguf.GGMLQuantizationType.Q4_K
+
+    rewrite_gguf(f16, path, as_q4_k)
+    f16.unlink()
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    llm = LLM(str(path), dtype="float32", packed_weight_dtype="q4_k_q8")
+    assert llm.engine.runner.packed_weight_dtypes == ("q4_k_q8", "q4_k_q8")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
+    _assert_greedy_matches_up_to_near_ties(llm, model, _inputs_rounded_to_q8)
+
+
 def _inputs_rounded_to_bfloat16(module: torch.nn.Module, args: tuple) -> tuple:
     (x,) = args
     return (x.bfloat16().float(),)

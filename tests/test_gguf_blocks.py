@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import reference_greedy, reference_greedy_with_margins
+from conftest import reference_greedy, reference_greedy_with_margins, rounded_to_q8
 from gguf_quantize import mixed_type, quantize, requantized_default_gguf
 from transformers import AutoModelForCausalLM
 
@@ -70,6 +70,9 @@ def test_every_format_that_holds_the_parts_multiplies_them(types):
         for rows in (1, 5, 64):  # one tile, a few rows, and panels widened once
             x = torch.randn(rows, 512)
             bias = torch.randn(out_features)
+            if PACKED_FORMATS[name].rounds_inputs:  # q4_k_q8: the inputs as its kernel rounds them
+                values, scales = rounded_to_q8(x)
+                x = (values * scales).view(x.shape)
             expected = x.double() @ weight.T + bias.double()
             got = torch.ops.pagedserve.packed_linear(x, panels, out_features, bias, None)
             error = (got.double() - expected).abs().max() / expected.abs().max()
@@ -91,12 +94,14 @@ def test_packing_a_map_in_pieces_gives_the_panels_of_the_whole(types):
 
 
 @pytest.mark.parametrize(
-    ("type_name", "name"), [("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q4_K", "q6_k")]
+    ("type_name", "name"),
+    [("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q4_K", "q6_k"), ("Q4_K", "q4_k_q8")],
 )
 def test_k_quants_packed_straight_from_the_file_give_the_decoded_panels(type_name, name):
-    """Q4_K and Q6_K maps are packed from the file's bytes by one C++ pass: the same panels as
-    the blocks decoded into integers first, for a ragged last panel, a fused map (Q4_K beside
-    Q6_K too), and blocks of arbitrary bits (every 6-bit scale and high bit)."""
+    """Q4_K and Q6_K maps are packed from the file's bytes by one C++ pass (q4_k_q8's blocks
+    too): the same panels as the blocks decoded into integers first, for a ragged last panel, a
+    fused map (Q4_K beside Q6_K too), and blocks of arbitrary bits (every 6-bit scale and high
+    bit)."""
     assert cpu_kernels_available()
     ragged = _part(type_name, 37, 512, seed=3)
     last = "Q6_K" if name == "q6_k" else type_name
@@ -143,6 +148,21 @@ def test_auto_packs_each_map_in_the_smallest_format_that_holds_its_parts(
     assert choose_format("auto", types, logits=False, from_blocks=from_blocks) == expected
     holders = [m for m in PACKED_FORMATS.values() if types <= m.holds and from_blocks]
     assert all(PACKED_FORMATS[expected].bytes_per_weight <= m.bytes_per_weight for m in holders)
+
+
+@pytest.mark.parametrize(
+    ("types", "logits", "expected"),
+    [
+        ({"Q4_K"}, False, "q4_k_q8"),
+        ({"Q4_K"}, True, "q4_k_q8"),
+        ({"Q4_K", "Q6_K"}, False, "q6_k"),  # held by q6_k, as auto holds them
+        ({"Q6_K"}, True, "q6_k"),
+        ({"Q5_0"}, False, "q5_0"),
+    ],
+)
+def test_q4_k_q8_takes_the_q4_k_maps_and_packs_the_others_as_auto(types, logits, expected):
+    assert choose_format("q4_k_q8", types, logits=logits, from_blocks=True) == expected
+    assert choose_format("auto", types, logits=logits, from_blocks=True) != "q4_k_q8"
 
 
 def test_a_gguf_mixing_every_type_generates_as_transformers_reads_it(monkeypatch, tmp_path):

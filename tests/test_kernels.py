@@ -160,6 +160,18 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
             pack_blocks = getattr(pack, f"pack_{weight_dtype}")  # pack_q4_1 or pack_q4_1_q8
             packed = pack_blocks(values.to(torch.uint8), scales, minima)
         return packed, None, weight.view(out_features, in_features)
+    if weight_dtype in ("q4_k", "q4_k_q8"):  # d * sc * value - dmin * m over groups of 32
+        values = torch.randint(0, 16, (out_features, in_features), generator=generator)
+        blocks = (out_features, in_features // 256)
+        d, dmin = ((torch.rand(blocks, generator=generator) / 256).half() for _ in range(2))
+        sc, m = (torch.randint(0, 64, (*blocks, 8), generator=generator) for _ in range(2))
+        scales = (d.double()[..., None] * sc).view(out_features, -1, 1)
+        minima = (dmin.double()[..., None] * m).view(out_features, -1, 1)
+        weight = values.double().view(out_features, -1, 32) * scales - minima
+        packed = getattr(pack, f"pack_{weight_dtype}")(
+            values.to(torch.uint8), d, dmin, sc.to(torch.uint8), m.to(torch.uint8)
+        )
+        return packed, None, weight.view(out_features, in_features)
     if weight_dtype == "bfloat16_bf16":
         weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
         return pack.pack_bfloat16_bf16(weight), None, weight.double()
@@ -207,16 +219,21 @@ def test_packed_linear_matches_plain_product(
 
 
 _INTEGER_DTYPES = ["q4_1_q8", "q8_0_q8"]
+# Q4_K's super-blocks take 256 inputs: the shapes above with whole super-blocks.
+_SUPER_BLOCK_SHAPES = [(rows, 256 * -(-k // 256), n, bias) for rows, k, n, bias in _SHAPES]
 
 
-@pytest.mark.parametrize("weight_dtype", _INTEGER_DTYPES)
-@pytest.mark.parametrize(("rows", "in_features", "out_features", "with_bias"), _SHAPES)
+@pytest.mark.parametrize(
+    ("weight_dtype", "rows", "in_features", "out_features", "with_bias"),
+    [(dtype, *shape) for dtype in _INTEGER_DTYPES for shape in _SHAPES]
+    + [("q4_k_q8", *shape) for shape in _SUPER_BLOCK_SHAPES],
+)
 def test_integer_products_are_the_dequantized_products_of_rounded_inputs(
     rows, in_features, out_features, with_bias, weight_dtype
 ):
-    """q4_1_q8 and q8_0_q8 round each group of 32 inputs to 8-bit values with a float32 scale
-    and compute the dot products with the 4-bit or 8-bit values (all of -128 to 127 among them)
-    in integers, exactly: the reference multiplies the weights the blocks stand for by the
+    """q4_1_q8, q8_0_q8 and q4_k_q8 round each group of 32 inputs to 8-bit values with a float32
+    scale and compute the dot products with the 4-bit or 8-bit values (all of -128 to 127 among
+    them) in integers, exactly: the reference multiplies the weights the blocks stand for by the
     inputs so rounded, in float64. An all-zero group (scale 0) is among them."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
@@ -233,6 +250,8 @@ def test_integer_products_are_the_dequantized_products_of_rounded_inputs(
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
     unrounded = x.double() @ weight.T + bias_term  # what q4_1 or q8_0 computes: rounding shows
     assert not torch.allclose(out.double(), unrounded, atol=1e-4, rtol=1e-5)
+    alone = torch.ops.pagedserve.packed_linear(x[-1:], packed, out_features, bias)
+    assert torch.equal(alone[0], out[-1])  # a row's outputs whatever shares its tiles
 
 
 def _vdpbf16ps_steps(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -632,9 +651,10 @@ from pagedserve.model.kernels import _cflags, cpu_kernels_available
 assert cpu_kernels_available()
 generator = torch.Generator().manual_seed(0)
 rows = []
-for weight_dtype in ("q4_1_q8", "q8_0_q8", "bfloat16_bf16"):
-    packed, _, _ = _packed_weights(200, 576, weight_dtype, generator)
-    x = torch.randn(9, 576, generator=generator)
+for weight_dtype, inputs in (("q4_1_q8", 576), ("q8_0_q8", 576), ("bfloat16_bf16", 576),
+                              ("q4_k_q8", 512)):
+    packed, _, _ = _packed_weights(200, inputs, weight_dtype, generator)
+    x = torch.randn(9, inputs, generator=generator)
     rows += [torch.ops.pagedserve.packed_linear(x[:n], packed, 200, None)[0] for n in (1, 4, 9)]
 torch.save({{"rows": rows, "flags": _cflags()}}, {out!r})
 """
@@ -643,8 +663,8 @@ torch.save({{"rows": rows, "flags": _cflags()}}, {out!r})
 def test_products_give_the_same_bits_with_and_without_avx512_vnni_and_bf16(tmp_path):
     """The integer dot products are exact, so the build for this CPU (with AVX-512 VNNI's
     vpdpbusd where it has it) and an AVX2 build (vpmaddubsw, vpmaddwd; ATEN_CPU_CAPABILITY=avx2
-    builds the kernels as for an AVX2-only CPU) compute the same bits, for q4_1_q8 and
-    q8_0_q8; bfloat16_bf16's AVX2 path makes AVX-512 BF16's vdpbf16ps steps in the same order,
+    builds the kernels as for an AVX2-only CPU) compute the same bits, for q4_1_q8, q8_0_q8
+    and q4_k_q8; bfloat16_bf16's AVX2 path makes AVX-512 BF16's vdpbf16ps steps in the same order,
     so it too gives the same bits."""
     results = {}
     for name, capability in (("host", None), ("avx2", "avx2")):

@@ -28,6 +28,7 @@ PACKED_WEIGHT_DTYPES = (
     "q4_k",
     "q5_k",
     "q6_k",
+    "q4_k_q8",
 )
 # auto: shm on x86-64 (its stores are seen in order, which the shared-memory all-reduce relies
 # on), else gloo.

@@ -180,6 +180,11 @@ def _read_safetensor(path: Path, name: str) -> torch.Tensor:
         return handle.get_tensor(name)
 
 
+# Packed weight dtypes that hold every map as the checkpoint stores it (q4_k_q8 as auto, its
+# Q4_K maps computed in integers).
+_AS_STORED = ("auto", "q4_k_q8")
+
+
 def weights_bytes(model_dir: Path, dtype: torch.dtype, packed_format: str | None) -> int:
     """What the checkpoint's weights take once loaded, from the files' headers only: each
     tensor as dtype, but the linear maps as packed_format holds them where they are packed (the
@@ -190,7 +195,7 @@ def weights_bytes(model_dir: Path, dtype: torch.dtype, packed_format: str | None
     def matrix(elements: int, stored_bytes: int) -> int:
         if packed_format is None:
             return elements * dtype.itemsize
-        if packed_format == "auto":
+        if packed_format in _AS_STORED:
             return stored_bytes
         return math.ceil(elements * PACKED_FORMATS[packed_format].bytes_per_weight)
 
@@ -202,7 +207,7 @@ def weights_bytes(model_dir: Path, dtype: torch.dtype, packed_format: str | None
             if name == "token_embd.weight":
                 tied = "output.weight" not in gguf_types.tensors
                 # Looked up in its blocks unless tied logits packed otherwise need a float table.
-                held = packed_format in ("auto", None) or tensor.type in FORMAT_HOLDS.get(
+                held = packed_format in (*_AS_STORED, None) or tensor.type in FORMAT_HOLDS.get(
                     packed_format, ()
                 )
                 in_blocks = packed_format is not None and tensor.type in BLOCK_TYPES

@@ -44,6 +44,7 @@ FORMAT_HOLDS: dict[str, frozenset[str]] = {
     "q4_k": frozenset({"Q4_K"}),
     "q5_k": frozenset({"Q4_K", "Q5_K"}),
     "q6_k": frozenset({"Q4_K", "Q5_K", "Q6_K"}),
+    "q4_k_q8": frozenset({"Q4_K"}),  # in integers, against inputs rounded to 8 bits
 }
 BLOCK_TYPES = frozenset().union(*FORMAT_HOLDS.values())
 
@@ -223,8 +224,9 @@ def pack(format_name: str, parts: Sequence[GGUFPart], rows: int = PACK_ROWS) -> 
 
 # (GGUF type, format) packed straight from the file's blocks by one C++ pass
 # (pack_k_quant_blocks), with no integers decoded in numpy: the K-quants that make up most of a
-# K-quant file's bytes, and its Q4_K queries and keys beside Q6_K values.
-_STRAIGHT = {("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q4_K", "q6_k")}
+# K-quant file's bytes, its Q4_K queries and keys beside Q6_K values, and Q4_K for the integer
+# product.
+_STRAIGHT = {("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q4_K", "q6_k"), ("Q4_K", "q4_k_q8")}
 
 
 def _pack_straight(format_name: str, parts: Sequence[GGUFPart]) -> torch.Tensor:

@@ -8,13 +8,14 @@ panels made once at load time: float32, bfloat16 or float16 weights, int8 values
 output feature, or llama.cpp's blocks: Q4_1, Q5_0, Q5_1 or Q8_0 (4-, 5- or 8-bit values in groups
 of 32 inputs, each with a float16 scale, and for Q4_1 and Q5_1 a minimum), and the K-quants'
 super-blocks of 256 inputs (q4_k, q5_k, q6_k); Q5_0, Q5_1 and the K-quants only from a GGUF file's
-own blocks (gguf_blocks.py). The arithmetic is float32 in every case but q4_1_q8's and q8_0_q8's,
-whose Q4_1 and Q8_0 blocks are multiplied in integers against inputs rounded to 8 bits, as
-llama.cpp computes them (csrc/integer_linear.cpp), and bfloat16_bf16's, whose bfloat16 weights
-meet inputs rounded to bfloat16 (csrc/bf16_linear.cpp: AVX-512 BF16's vdpbf16ps).
+own blocks (gguf_blocks.py). The arithmetic is float32 in every case but q4_1_q8's, q8_0_q8's and
+q4_k_q8's, whose Q4_1, Q8_0 and Q4_K blocks are multiplied in integers against inputs rounded to
+8 bits, as llama.cpp computes them (csrc/integer_linear.cpp), and bfloat16_bf16's, whose
+bfloat16 weights meet inputs rounded to bfloat16 (csrc/bf16_linear.cpp: AVX-512 BF16's
+vdpbf16ps).
 
 choose_format is the policy: --packed-weight-dtype auto keeps each map's weights exactly, as
-the checkpoint stores them, in the fewest bytes.
+the checkpoint stores them, in the fewest bytes, and computes with the inputs as they are.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class PackedLinearMethod(LinearMethod):
     # Whether pack makes this format from any float32 weight: the K-quants' come only from a
     # GGUF file's blocks.
     packs_floats = True
+    # Whether the product rounds its inputs (to 8 bits): auto never chooses such a format.
+    rounds_inputs = False
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(panels, scale) of a float32 [out, in] weight."""
@@ -155,6 +158,14 @@ class GGUFBlocks(PackedLinearMethod):
     packs_floats = False
 
 
+class GGUFBlocksAgainstQ8(GGUFBlocks):
+    """A GGUF file's Q4_K blocks multiplied in integers against inputs rounded to 8 bits
+    (csrc/integer_linear.cpp), as llama.cpp computes them: never auto's choice, which keeps the
+    inputs as they are."""
+
+    rounds_inputs = True
+
+
 # 4-bit logits lose the most, and int8 ones with a scale per output feature changed greedy
 # outputs that q8_0 ones leave as float32 has them: the Q4_1 formats keep the logits' weights as
 # Q8_0, as Q4_1 GGUF files do (q4_1_q8 in integers too, as llama.cpp computes them).
@@ -177,8 +188,12 @@ PACKED_FORMATS: dict[str, PackedLinearMethod] = {
         GGUFBlocks("q4_k", 148 / 256, holds=_HOLDS["q4_k"], logits="q8_0"),
         GGUFBlocks("q5_k", 180 / 256, holds=_HOLDS["q5_k"], logits="q8_0"),
         GGUFBlocks("q6_k", 292 / 256, holds=_HOLDS["q6_k"], logits="q8_0"),
+        GGUFBlocksAgainstQ8("q4_k_q8", 148 / 256, holds=_HOLDS["q4_k_q8"]),
     )
 }
+# The formats that take a map's blocks in integers where the file stores it so, the other maps
+# being packed as auto packs them.
+_INTEGER_OF = {"q4_k_q8": "q4_k"}
 
 
 class PackedFormats(NamedTuple):
@@ -195,13 +210,18 @@ def choose_format(name: str, types: Set[str], logits: bool, from_blocks: bool) -
     of parts in both, {"BF16"}); from_blocks: whether the GGUF file's own blocks are at hand.
     auto picks the format that holds those weights exactly in the fewest bytes: from the blocks
     (a format holds the GGUF types in its holds), or from the weights as loaded (it holds the
-    one type it stores); float32 holds any."""
+    one type it stores); float32 holds any. q4_k_q8 packs as auto, but the maps auto keeps as q4_k
+    as q4_k_q8."""
+    if name in _INTEGER_OF:
+        chosen = choose_format("auto", types, logits, from_blocks)
+        return name if chosen == _INTEGER_OF[name] else chosen
     if name != "auto":
         return PACKED_FORMATS[name].logits if logits else name
     holders = [
         method
         for method in PACKED_FORMATS.values()
-        if (bool(types) and types <= method.holds if from_blocks else types == {method.stores})
+        if not method.rounds_inputs
+        and (bool(types) and types <= method.holds if from_blocks else types == {method.stores})
     ]
     return min(holders, key=lambda method: method.bytes_per_weight, default=_FLOAT32).name
 

@@ -23,6 +23,9 @@
 //          + bias[f]
 // with each sum a chain of float32 multiply-adds over g in order.
 //
+// Q4_K's super-blocks (pack_q4_k_q8) are Q4_1's groups with scale = d * sc and minimum =
+// -(dmin * m), both exact in float32, read from a header per 256 inputs: the same sums.
+//
 // With a third of the instructions, one row is held by the memory more than by arithmetic: see
 // prefetch_ahead and work_sharing.h.
 
@@ -61,20 +64,58 @@ constexpr int64_t kStripFeatures = kStrip * kFeatures;
 // Q4_1), then their values in 32-byte vectors. Byte 4 * f + i of vector v holds feature f's value
 // for input 4 * v + i (Q8_0: offset by 128; Q4_1: in its low half, and for input 16 + 4 * v + i
 // in its high half), so that each feature's four consecutive values meet one broadcast of four
-// inputs.
+// inputs. A Q4_K block is the eight features over a super-block of eight groups: their float16 d,
+// then dmin, each group's sc for the eight features, then each group's m (a byte each), and the
+// groups' values, each as a Q4_1 block's. A strip's Q4_K blocks over a super-block are stored as
+// their four headers, then the values group by group, panel by panel, so that one row reads them
+// in order: spread over the four blocks, the values were read at 21 GB/s from memory (1.1B's
+// gate and up maps, 2 threads, Zen 4), against Q4_1's 28 GB/s.
 // kPrefetch: whether a one-row tile asks for blocks ahead (see prefetch_ahead).
 struct Q4_1 {
-  static constexpr int64_t kHeaderParts = 2, kVectors = 4;
+  static constexpr int64_t kHeaderBytes = 2 * kFeatures * sizeof(at::Half), kVectors = 4;
+  static constexpr int64_t kGroupsPerBlock = 1;
   static constexpr bool kPrefetch = true;
 };
 struct Q8_0 {
-  static constexpr int64_t kHeaderParts = 1, kVectors = 8;
+  static constexpr int64_t kHeaderBytes = kFeatures * sizeof(at::Half), kVectors = 8;
+  static constexpr int64_t kGroupsPerBlock = 1;
   static constexpr bool kPrefetch = false;
 };
+struct Q4_K {
+  static constexpr int64_t kGroupsPerBlock = 8, kVectors = 4;
+  static constexpr int64_t kHeaderBytes = 2 * kFeatures * sizeof(at::Half) + 2 * 8 * kFeatures;
+  static constexpr bool kPrefetch = true;
+};
 template <class Format>
-constexpr int64_t kHeaderBytes = Format::kHeaderParts * kFeatures * sizeof(at::Half);
+constexpr int64_t kHeaderBytes = Format::kHeaderBytes;
 template <class Format>
-constexpr int64_t kBlockBytes = kHeaderBytes<Format> + 32 * Format::kVectors;
+constexpr int64_t kBlockBytes = kHeaderBytes<Format> + Format::kGroupsPerBlock * 32 * Format::kVectors;
+// A strip's bytes for one group of inputs (Q4_K: an eighth of its super-block's).
+template <class Format>
+constexpr int64_t kGroupStripBytes = kStrip * kBlockBytes<Format> / Format::kGroupsPerBlock;
+
+// The header and the values of group g of a strip's panel p.
+template <class Format>
+const uint8_t* header_of(const uint8_t* strip, int64_t g, int64_t p) {
+  const uint8_t* blocks = strip + g / Format::kGroupsPerBlock * kStrip * kBlockBytes<Format>;
+  if constexpr (Format::kGroupsPerBlock == 1) {
+    return blocks + p * kBlockBytes<Format>;
+  } else {
+    return blocks + p * kHeaderBytes<Format>;
+  }
+}
+template <class Format>
+const uint8_t* values_of(const uint8_t* strip, int64_t g, int64_t p) {
+  if constexpr (Format::kGroupsPerBlock == 1) {
+    return header_of<Format>(strip, g, p) + kHeaderBytes<Format>;
+  } else {
+    const int64_t within = g % Format::kGroupsPerBlock;
+    return strip + g / Format::kGroupsPerBlock * kStrip * kBlockBytes<Format> +
+           kStrip * kHeaderBytes<Format> + (within * kStrip + p) * 32 * Format::kVectors;
+  }
+}
+static_assert(kBlockBytes<Q4_1> != kBlockBytes<Q8_0> && kBlockBytes<Q4_K> != kBlockBytes<Q4_1> &&
+              kBlockBytes<Q4_K> != kBlockBytes<Q8_0>);
 
 #ifdef PAGEDSERVE_HAS_AVX2
 
@@ -209,6 +250,14 @@ template <int64_t rows, int64_t panels>
 }
 
 template <int64_t rows, int64_t panels>
+[[gnu::always_inline]] inline void group_dots(Q4_K, const uint8_t* const (&values)[panels],
+                                              const int8_t* const (&inputs)[rows],
+                                              const int32_t* const (&totals)[rows],
+                                              __m256i (&dots)[rows][panels]) {
+  group_dots<rows, panels>(Q4_1{}, values, inputs, totals, dots);  // a group's values as Q4_1's
+}
+
+template <int64_t rows, int64_t panels>
 [[gnu::always_inline]] inline void group_dots(Q8_0, const uint8_t* const (&values)[panels],
                                               const int8_t* const (&inputs)[rows],
                                               const int32_t* const (&totals)[rows],
@@ -266,14 +315,33 @@ __m256 widen_halves(const uint8_t* halves) {
 // read made the default model's maps at one row 6-8% faster (640 bytes ahead as fast; reading
 // runs on into the next strip of the thread's share, or past the tensor's end, where a prefetch
 // reads nothing and cannot fault). Q8_0's larger blocks read faster without it, at any distance
-// from 512 to 8192 bytes.
-constexpr int64_t kPrefetchBytes = 1024;
+// from 512 to 8192 bytes. Q4_K reads a super-block's headers, then its groups, so a group's place
+// in the strip is near, not at, g * kGroupStripBytes: it asks further ahead.
+template <class Format>
+constexpr int64_t kPrefetchBytes = Format::kGroupsPerBlock == 1 ? 1024 : 2048;
 
 template <class Format>
-[[gnu::always_inline]] inline void prefetch_ahead(const uint8_t* group_blocks) {
-  const char* ahead = reinterpret_cast<const char*>(group_blocks) + kPrefetchBytes;
-  for (int64_t offset = 0; offset < kStrip * kBlockBytes<Format>; offset += 64) {
+[[gnu::always_inline]] inline void prefetch_ahead(const uint8_t* strip, int64_t g) {
+  const char* ahead =
+      reinterpret_cast<const char*>(strip) + g * kGroupStripBytes<Format> + kPrefetchBytes<Format>;
+  for (int64_t offset = 0; offset < kGroupStripBytes<Format>; offset += 64) {
     _mm_prefetch(ahead + offset, _MM_HINT_T0);
+  }
+}
+
+// Eight features' scales (part 0) or minima (part 1) of group `within` of a block, whose
+// header's d (part 0) or dmin (part 1) are `widened` (Q4_K; unused for the others).
+template <class Format>
+__m256 group_vector(const uint8_t* header, int64_t within, int64_t part, __m256 widened) {
+  if constexpr (std::is_same_v<Format, Q4_K>) {  // d * sc, -(dmin * m)
+    const uint8_t* bytes =
+        header + 2 * kFeatures * sizeof(at::Half) + (part * 8 + within) * kFeatures;
+    const __m256 factor = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+    const __m256 product = _mm256_mul_ps(widened, factor);
+    return part == 0 ? product : _mm256_sub_ps(_mm256_setzero_ps(), product);
+  } else {
+    return widen_halves(header + part * kFeatures * sizeof(at::Half));
   }
 }
 
@@ -284,23 +352,30 @@ template <class Format, int64_t rows, int64_t panels>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t first_row, const uint8_t* strip,
                             int64_t first, int64_t num_groups, const float* bias, float* out,
                             int64_t out_stride, int64_t cols) {
-  constexpr bool with_minima = std::is_same_v<Format, Q4_1>;
-  constexpr int64_t block_bytes = kBlockBytes<Format>;
+  constexpr bool with_minima = !std::is_same_v<Format, Q8_0>;
   __m256 dots[rows][panels], minima[rows][panels];
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t p = 0; p < panels; ++p) dots[m][p] = minima[m][p] = _mm256_setzero_ps();
   }
+  constexpr int64_t per_block = Format::kGroupsPerBlock;
+  __m256 widened[2][panels] = {};  // Q4_K: each panel's d and dmin, widened once a super-block
   for (int64_t g = 0; g < num_groups; ++g) {
-    if constexpr (rows == 1 && Format::kPrefetch) {
-      prefetch_ahead<Format>(strip + g * kStrip * block_bytes);
+    if constexpr (rows == 1 && Format::kPrefetch) prefetch_ahead<Format>(strip, g);
+    const int64_t within = g % per_block;
+    if (per_block > 1 && within == 0) {
+      for (int64_t p = 0; p < panels; ++p) {
+        const uint8_t* header = header_of<Format>(strip, g, first + p);
+        widened[0][p] = widen_halves(header);
+        widened[1][p] = widen_halves(header + kFeatures * sizeof(at::Half));
+      }
     }
     const uint8_t* blocks[panels];
     const uint8_t* values[panels];
     const int8_t* inputs[rows];
     const int32_t* totals[rows];
     for (int64_t p = 0; p < panels; ++p) {
-      blocks[p] = strip + (g * kStrip + first + p) * block_bytes;
-      values[p] = blocks[p] + kHeaderBytes<Format>;
+      blocks[p] = header_of<Format>(strip, g, first + p);
+      values[p] = values_of<Format>(strip, g, first + p);
     }
     for (int64_t m = 0; m < rows; ++m) {
       inputs[m] = x.group_values(first_row + m, g);
@@ -310,8 +385,8 @@ template <class Format, int64_t rows, int64_t panels>
     group_dots<rows, panels>(Format{}, values, inputs, totals, integer_dots);
 #pragma GCC unroll 4
     for (int64_t p = 0; p < panels; ++p) {
-      const __m256 scale = widen_halves(blocks[p]);
-      const __m256 minimum = with_minima ? widen_halves(blocks[p] + kHeaderBytes<Format> / 2)
+      const __m256 scale = group_vector<Format>(blocks[p], within, 0, widened[0][p]);
+      const __m256 minimum = with_minima ? group_vector<Format>(blocks[p], within, 1, widened[1][p])
                                          : _mm256_setzero_ps();
 #pragma GCC unroll 4
       for (int64_t m = 0; m < rows; ++m) {
@@ -370,7 +445,7 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed_weight, int64_t
   at::Tensor out = at::empty({num_rows, out_features}, x.options());
   const uint8_t* blocks = packed_weight.const_data_ptr<uint8_t>();
   const int64_t num_strips = packed_weight.size(0), num_groups = in_features / kGroup;
-  const int64_t strip_bytes = num_groups * kStrip * kBlockBytes<Format>;
+  const int64_t strip_bytes = num_groups * kGroupStripBytes<Format>;
   pagedserve::share_strips(
       num_strips, kStripFeatures, out_features, [&](int64_t s, int64_t feature, int64_t cols) {
         rows_against_strip<Format>(quantized, num_rows, blocks + s * strip_bytes, num_groups,
@@ -390,21 +465,25 @@ void check_avx2(const char* op) {
 }
 
 const char* packer_name(const at::Tensor& packed) {
-  return packed.size(3) == kBlockBytes<Q8_0> ? "pack_q8_0_q8" : "pack_q4_1_q8";
+  if (packed.size(3) == kBlockBytes<Q8_0>) return "pack_q8_0_q8";
+  return packed.size(3) == kBlockBytes<Q4_K> ? "pack_q4_k_q8" : "pack_q4_1_q8";
 }
 
 void check_packed(const at::Tensor& packed, int64_t in_features, int64_t out_features) {
-  TORCH_CHECK(packed.is_contiguous() && in_features % kGroup == 0 &&
-                  packed.size(1) == in_features / kGroup,
+  const int64_t block_inputs = pagedserve::integer_block_inputs(packed);
+  TORCH_CHECK(packed.is_contiguous() && in_features % block_inputs == 0 &&
+                  packed.size(1) == in_features / block_inputs,
               "packed_linear: packed_weight ", packed.sizes(), " is not a ", packer_name(packed),
               " result for ", in_features, " input features");
   pagedserve::check_out_features(out_features, packed.size(0), kStripFeatures, "strips");
 }
 
-// [out][in] padded with zeros to whole strips.
+// [out][...] padded with zeros to whole strips.
 at::Tensor padded_to_strips(const at::Tensor& t) {
   const int64_t strips = (t.size(0) + kStripFeatures - 1) / kStripFeatures;
-  at::Tensor result = at::zeros({strips * kStripFeatures, t.size(1)}, t.options());
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[0] = strips * kStripFeatures;
+  at::Tensor result = at::zeros(shape, t.options());
   result.narrow(0, 0, t.size(0)).copy_(t);
   return result;
 }
@@ -462,10 +541,107 @@ at::Tensor pack_q8_0_q8(const at::Tensor& values, const at::Tensor& scales) {
                                     .permute({0, 3, 1, 4, 2, 5}));
 }
 
+// values: [out, in] uint8, 0-15; d and dmin: [out, in / 256] float16; sc and m: [out, in / 256,
+// 8] uint8, 0-63 (weight = d * sc * value - dmin * m over each group of 32), as pack_q4_k takes
+// them. Returns uint8 blocks [strips][in / 256][kStrip][block bytes], each a panel's d, dmin,
+// sc, m and values over a super-block, a super-block's four stored as their headers, then their
+// values group by group (header_of, values_of).
+at::Tensor pack_q4_k_q8(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
+                        const at::Tensor& sc, const at::Tensor& m) {
+  check_avx2("pack_q4_k_q8");
+  check_q4_k_inputs("pack_q4_k_q8", values, d, dmin, sc, m);
+  const int64_t strips = (values.size(0) + kStripFeatures - 1) / kStripFeatures;
+  const int64_t blocks = values.size(1) / 256;
+  // [strip][panel][feature][block][group][half][vector][input]
+  //   -> [strip][block][group][panel][vector][feature][input][half]
+  const at::Tensor split =
+      padded_to_strips(values)
+          .view({strips, kStrip, kFeatures, blocks, 8, 2, Q4_K::kVectors, 4})
+          .permute({0, 3, 4, 1, 6, 2, 7, 5});
+  const at::Tensor value_bytes = split.select(7, 0).bitwise_or(split.select(7, 1).mul(16));
+  // [strip][panel][feature][block][n] -> [strip][block][panel][n][feature], as bytes
+  const auto header_part = [&](const at::Tensor& part) {
+    const at::Tensor padded = padded_to_strips(part.reshape({part.size(0), blocks, -1}));
+    return padded.view({strips, kStrip, kFeatures, blocks, padded.size(2)})
+        .permute({0, 3, 1, 4, 2})
+        .contiguous()
+        .view(at::kByte)
+        .view({strips, blocks, kStrip, -1});
+  };
+  const at::Tensor headers =
+      at::cat({header_part(d), header_part(dmin), header_part(sc), header_part(m)}, 3);
+  return at::cat({headers.view({strips, blocks, -1}), value_bytes.reshape({strips, blocks, -1})}, 2)
+      .view({strips, blocks, kStrip, kBlockBytes<Q4_K>});
+}
+
+// The same from the file's bytes, written in place: each strip's super-block is decoded and laid
+// out by one thread, with no integer arrays in between.
+at::Tensor pack_q4_k_q8_rows(at::TensorList parts) {
+  check_avx2("pack_k_quant_blocks");
+  constexpr int64_t kRaw = 144, kSuperBlockBytes = kStrip * kBlockBytes<Q4_K>;
+  int64_t blocks = -1;
+  std::vector<const uint8_t*> row_of;  // each output feature's row of blocks
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& rows = parts[i];
+    TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
+                    rows.size(1) % kRaw == 0,
+                "pack_k_quant_blocks: part ", i, " must be contiguous uint8 [out, blocks * ", kRaw,
+                "], got ", rows.sizes(), " ", rows.scalar_type());
+    if (i == 0) blocks = rows.size(1) / kRaw;
+    TORCH_CHECK(rows.size(1) / kRaw == blocks, "pack_k_quant_blocks: part ", i, " has ",
+                rows.size(1) / kRaw, " blocks a row, the first part ", blocks);
+    for (int64_t r = 0; r < rows.size(0); ++r) {
+      row_of.push_back(rows.const_data_ptr<uint8_t>() + r * rows.size(1));
+    }
+  }
+  const int64_t out = static_cast<int64_t>(row_of.size());
+  const int64_t strips = (out + kStripFeatures - 1) / kStripFeatures;
+  at::Tensor packed = at::empty({strips, blocks, kStrip, kBlockBytes<Q4_K>}, at::kByte);
+  uint8_t* target = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, strips * blocks, 1, [&](int64_t begin, int64_t end) {
+    uint8_t values[256], sc[8], m[8];
+    uint16_t d, dmin;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t strip = item / blocks, b = item % blocks;
+      uint8_t* to = target + item * kSuperBlockBytes;
+      std::memset(to, 0, kSuperBlockBytes);
+      for (int64_t f = 0; f < kStripFeatures && strip * kStripFeatures + f < out; ++f) {
+        read_q4_k_block(row_of[strip * kStripFeatures + f] + b * kRaw, d, dmin, sc, m, values);
+        const int64_t p = f / kFeatures, lane = f % kFeatures;
+        uint8_t* header = to + p * Q4_K::kHeaderBytes;
+        std::memcpy(header + 2 * lane, &d, 2);
+        std::memcpy(header + 2 * (kFeatures + lane), &dmin, 2);
+        for (int64_t g = 0; g < 8; ++g) {
+          header[4 * kFeatures + g * kFeatures + lane] = sc[g];
+          header[4 * kFeatures + (8 + g) * kFeatures + lane] = m[g];
+          // Group g's block: byte 32 * v + 4 * lane + i holds inputs 4 * v + i (low half) and
+          // 16 + 4 * v + i (high half) of the group.
+          uint8_t* group = to + kStrip * Q4_K::kHeaderBytes + (g * kStrip + p) * 32 * Q4_K::kVectors;
+          for (int64_t v = 0; v < Q4_K::kVectors; ++v) {
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint8_t* value = values + 32 * g + 4 * v + i;
+              group[32 * v + 4 * lane + i] = value[0] | value[16] << 4;
+            }
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
 bool is_integer_blocks(const at::Tensor& packed_weight) {
-  return packed_weight.dim() == 4 && packed_weight.scalar_type() == at::kByte &&
-         packed_weight.size(2) == kStrip &&
-         (packed_weight.size(3) == kBlockBytes<Q4_1> || packed_weight.size(3) == kBlockBytes<Q8_0>);
+  if (packed_weight.dim() != 4 || packed_weight.scalar_type() != at::kByte ||
+      packed_weight.size(2) != kStrip) {
+    return false;
+  }
+  const int64_t block_bytes = packed_weight.size(3);
+  return block_bytes == kBlockBytes<Q4_1> || block_bytes == kBlockBytes<Q8_0> ||
+         block_bytes == kBlockBytes<Q4_K>;
+}
+
+int64_t integer_block_inputs(const at::Tensor& packed_weight) {
+  return packed_weight.size(3) == kBlockBytes<Q4_K> ? 256 : kGroup;
 }
 
 at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weight,
@@ -475,6 +651,9 @@ at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weig
 #ifdef PAGEDSERVE_HAS_AVX2
   if (packed_weight.size(3) == kBlockBytes<Q8_0>) {
     return product<Q8_0>(input.contiguous(), packed_weight, out_features, bias);
+  }
+  if (packed_weight.size(3) == kBlockBytes<Q4_K>) {
+    return product<Q4_K>(input.contiguous(), packed_weight, out_features, bias);
   }
   return product<Q4_1>(input.contiguous(), packed_weight, out_features, bias);
 #else

@@ -39,22 +39,37 @@ at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Te
 at::Tensor pack_k_quant_blocks(at::TensorList parts, const std::vector<std::string>& types,
                                c10::string_view format);
 int64_t packed_in_features(const at::Tensor& packed_weight);  // what its product takes
+// GGUF's Q4_K block (144 bytes) as its parts: d and dmin (float16 bits), the sc and m of its eight
+// groups of 32, and its 256 values (0-15).
+void read_q4_k_block(const uint8_t* raw, uint16_t& d, uint16_t& dmin, uint8_t* sc, uint8_t* m,
+                     uint8_t* values);
 // A block packer's inputs: values [out, in] of values_type, each header part (scales, minima)
 // float16 [out, in / 32]; check_q4_1_inputs adds that the values are 0-15.
 void check_block_inputs(const char* op, const at::Tensor& values, at::ScalarType values_type,
                         at::TensorList header_parts);
 void check_q4_1_inputs(const char* op, const at::Tensor& values, const at::Tensor& scales,
                        const at::Tensor& minima);
+// pack_q4_k's inputs (values 0-15 [out, in], d and dmin float16 [out, in / 256], sc and m uint8
+// [out, in / 256, 8]).
+void check_q4_k_inputs(const char* op, const at::Tensor& values, const at::Tensor& d,
+                       const at::Tensor& dmin, const at::Tensor& sc, const at::Tensor& m);
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weight,
                          int64_t out_features, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scale);
 
-// integer_linear.cpp: packed_linear's product for pack_q4_1_q8 and pack_q8_0_q8 results (its
-// input, scale and bias checked by packed_linear; bias nullptr or out_features floats)
+// integer_linear.cpp: packed_linear's product for pack_q4_1_q8, pack_q8_0_q8 and pack_q4_k_q8
+// results (its input, scale and bias checked by packed_linear; bias nullptr or out_features
+// floats)
 at::Tensor pack_q4_1_q8(const at::Tensor& values, const at::Tensor& scales,
                         const at::Tensor& minima);
 at::Tensor pack_q8_0_q8(const at::Tensor& values, const at::Tensor& scales);
-bool is_integer_blocks(const at::Tensor& packed_weight);  // either's result, by its shape
+at::Tensor pack_q4_k_q8(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
+                        const at::Tensor& sc, const at::Tensor& m);
+// pack_q4_k_q8's blocks straight from a GGUF file's Q4_K rows ([out][blocks * 144] uint8), part
+// after part.
+at::Tensor pack_q4_k_q8_rows(at::TensorList parts);
+bool is_integer_blocks(const at::Tensor& packed_weight);  // any one's result, by its shape
+int64_t integer_block_inputs(const at::Tensor& packed_weight);  // inputs a block covers
 at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weight,
                           int64_t out_features, const float* bias);
 

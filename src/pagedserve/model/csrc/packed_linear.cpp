@@ -758,6 +758,12 @@ void check_q4_1_inputs(const char* op, const at::Tensor& values, const at::Tenso
   TORCH_CHECK(values.max().item<uint8_t>() < 16, op, ": values must be 0-15");
 }
 
+void check_q4_k_inputs(const char* op, const at::Tensor& values, const at::Tensor& d,
+                       const at::Tensor& dmin, const at::Tensor& sc, const at::Tensor& m) {
+  check_format_inputs<Q4_K>(op, values, 15);
+  check_super_block_header<Q4_K>(op, values, d, dmin, sc, m, at::kByte, at::kByte);
+}
+
 // The panels keep the weight's dtype: float32, bfloat16, float16, or int8 (quantized values,
 // whose per-feature scales packed_linear takes apart).
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -814,8 +820,7 @@ at::Tensor pack_q5_1(const at::Tensor& values, const at::Tensor& scales, const a
 // of 32). Returns super-block panels, [panels][in / 256][block bytes].
 at::Tensor pack_q4_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                      const at::Tensor& sc, const at::Tensor& m) {
-  check_format_inputs<Q4_K>("pack_q4_k", values, 15);
-  check_super_block_header<Q4_K>("pack_q4_k", values, d, dmin, sc, m, at::kByte, at::kByte);
+  check_q4_k_inputs("pack_q4_k", values, d, dmin, sc, m);
   return pack_blocks({d, dmin, sc, m}, nibble_rows(values));
 }
 at::Tensor pack_q5_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
@@ -992,15 +997,32 @@ void read_q4_k_as_16_groups(const uint8_t* raw, SuperBlock& block, uint8_t* valu
   for (int64_t g = 15; g >= 0; --g) block.sc[g] = block.sc[g / 2], block.m[g] = block.m[g / 2];
 }
 
+void read_q4_k_block(const uint8_t* raw, uint16_t& d, uint16_t& dmin, uint8_t* sc, uint8_t* m,
+                     uint8_t* values) {
+  SuperBlock block;
+  read_q4_k(raw, block, values);
+  d = block.d, dmin = block.dmin;
+  for (int64_t g = 0; g < 8; ++g) {
+    sc[g] = static_cast<uint8_t>(block.sc[g]);
+    m[g] = static_cast<uint8_t>(block.m[g]);
+  }
+}
+
 // format "q4_k" of type "Q4_K"; format "q6_k" of type "Q6_K" or "Q4_K" (a fused map's Q4_K parts
-// beside a Q6_K one). Each part's panels follow the previous part's in one tensor, so that a fused
-// map's parts are packed in place, with no copy to join them.
+// beside a Q6_K one); format "q4_k_q8" of type "Q4_K". Each part's panels follow the previous
+// part's in one tensor, so that a fused map's parts are packed in place, with no copy to join them.
 at::Tensor pack_k_quant_blocks(at::TensorList parts, const std::vector<std::string>& types,
                                c10::string_view format) {
   const char* op = "pack_k_quant_blocks";
   TORCH_CHECK(!parts.empty() && parts.size() == types.size(), op,
               ": one type a part, for at least one part; got ", parts.size(), " parts and ",
               types.size(), " types");
+  if (format == "q4_k_q8") {
+    for (const std::string& type : types) {
+      TORCH_CHECK(type == "Q4_K", op, ": no packing of GGUF ", type, " blocks as ", format);
+    }
+    return pack_q4_k_q8_rows(parts);  // integer_linear.cpp
+  }
   const auto pack = [&](auto format_tag, auto&& reader_of) {
     using Format = decltype(format_tag);
     int64_t num_panels = 0, num_blocks = -1;
@@ -1047,7 +1069,7 @@ at::Tensor pack_k_quant_blocks(at::TensorList parts, const std::vector<std::stri
 
 int64_t packed_in_features(const at::Tensor& packed_weight) {
   int64_t in_features = packed_weight.size(1);
-  if (is_integer_blocks(packed_weight)) return in_features * Q4_1::kGroup;  // as Q8_0's
+  if (is_integer_blocks(packed_weight)) return in_features * integer_block_inputs(packed_weight);
   if (is_bfloat16_pairs(packed_weight)) return in_features * 2;
   if (packed_weight.scalar_type() == at::kByte) {
     with_block_format(
