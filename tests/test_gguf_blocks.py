@@ -116,9 +116,13 @@ def test_k_quants_packed_straight_from_the_file_give_the_decoded_panels(type_nam
         assert torch.equal(gguf_blocks.pack(name, parts), gguf_blocks._pack(name, parts))
     with pytest.raises(RuntimeError, match="no packing of GGUF Q6_K blocks as q4_k"):
         torch.ops.pagedserve.pack_k_quant_blocks([torch.from_numpy(noise[0])], ["Q6_K"], "q4_k")
-    halves = [torch.from_numpy(noise.reshape(50, -1)), torch.from_numpy(noise[:, 0].copy())]
+    halves = [torch.from_numpy(fused[0].rows), torch.from_numpy(noise[:, 0].copy())]
     with pytest.raises(RuntimeError, match="part 1 has 1 blocks a row, the first part 2"):
         torch.ops.pagedserve.pack_k_quant_blocks(halves, [type_name] * 2, name)
+    if name != "q4_k_q8":  # whose strips take the parts' rows together
+        ragged_first = [torch.from_numpy(ragged.rows), torch.from_numpy(fused[0].rows)]
+        with pytest.raises(RuntimeError, match="part 0 has 37 rows, not whole panels"):
+            torch.ops.pagedserve.pack_k_quant_blocks(ragged_first, [type_name] * 2, name)
 
 
 def test_a_format_refuses_parts_it_does_not_hold():

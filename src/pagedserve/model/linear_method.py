@@ -62,6 +62,7 @@ class PackedLinearMethod(LinearMethod):
         stores: str | None = None,
         holds: Set[str] = frozenset(),
         logits: str | None = None,
+        rounds_inputs: bool = False,
     ):
         self.name = name
         # Stored bytes per weight, the blocks' scales and minima included; int8's one scale per
@@ -73,12 +74,12 @@ class PackedLinearMethod(LinearMethod):
         self.holds = frozenset(holds)
         # The output projection's format beside this one.
         self.logits = logits or name
+        # Whether the product rounds its inputs (to 8 bits or bfloat16): auto never picks it.
+        self.rounds_inputs = rounds_inputs
 
     # Whether pack makes this format from any float32 weight: the K-quants' come only from a
     # GGUF file's blocks.
     packs_floats = True
-    # Whether the product rounds its inputs (to 8 bits): auto never chooses such a format.
-    rounds_inputs = False
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(panels, scale) of a float32 [out, in] weight."""
@@ -158,14 +159,6 @@ class GGUFBlocks(PackedLinearMethod):
     packs_floats = False
 
 
-class GGUFBlocksAgainstQ8(GGUFBlocks):
-    """A GGUF file's Q4_K blocks multiplied in integers against inputs rounded to 8 bits
-    (csrc/integer_linear.cpp), as llama.cpp computes them: never auto's choice, which keeps the
-    inputs as they are."""
-
-    rounds_inputs = True
-
-
 # 4-bit logits lose the most, and int8 ones with a scale per output feature changed greedy
 # outputs that q8_0 ones leave as float32 has them: the Q4_1 formats keep the logits' weights as
 # Q8_0, as Q4_1 GGUF files do (q4_1_q8 in integers too, as llama.cpp computes them).
@@ -176,19 +169,20 @@ PACKED_FORMATS: dict[str, PackedLinearMethod] = {
         PackedFloat("float32", 4),
         PackedFloat("bfloat16", 2, stores="BF16"),
         PackedFloat("float16", 2, stores="F16"),
-        PackedBfloat16Pairs("bfloat16_bf16", 2),
+        PackedBfloat16Pairs("bfloat16_bf16", 2, rounds_inputs=True),
         PackedInt8("int8", 1),
         PackedBlocks("q8_0", 34 / 32, stores="Q8_0", holds=_HOLDS["q8_0"]),
-        PackedBlocks("q8_0_q8", 34 / 32),
+        PackedBlocks("q8_0_q8", 34 / 32, rounds_inputs=True),
         PackedBlocks("q4_1", 20 / 32, stores="Q4_1", holds=_HOLDS["q4_1"], logits="q8_0"),
-        PackedBlocks("q4_1_q8", 20 / 32, logits="q8_0_q8"),
+        PackedBlocks("q4_1_q8", 20 / 32, logits="q8_0_q8", rounds_inputs=True),
         GGUFBlocks("q5_0", 22 / 32, holds=_HOLDS["q5_0"], logits="q8_0"),
         GGUFBlocks("q5_1", 24 / 32, holds=_HOLDS["q5_1"], logits="q8_0"),
         GGUFBlocks("q8_min", 36 / 32, holds=_HOLDS["q8_min"], logits="q8_0"),
         GGUFBlocks("q4_k", 148 / 256, holds=_HOLDS["q4_k"], logits="q8_0"),
         GGUFBlocks("q5_k", 180 / 256, holds=_HOLDS["q5_k"], logits="q8_0"),
         GGUFBlocks("q6_k", 292 / 256, holds=_HOLDS["q6_k"], logits="q8_0"),
-        GGUFBlocksAgainstQ8("q4_k_q8", 148 / 256, holds=_HOLDS["q4_k_q8"]),
+        # A K-quant file's Q4_K maps in integers (the others as auto packs them).
+        GGUFBlocks("q4_k_q8", 148 / 256, holds=_HOLDS["q4_k_q8"], rounds_inputs=True),
     )
 }
 # The formats that take a map's blocks in integers where the file stores it so, the other maps

@@ -67,9 +67,8 @@ constexpr int64_t kStripFeatures = kStrip * kFeatures;
 // inputs. A Q4_K block is the eight features over a super-block of eight groups: their float16 d,
 // then dmin, each group's sc for the eight features, then each group's m (a byte each), and the
 // groups' values, each as a Q4_1 block's. A strip's Q4_K blocks over a super-block are stored as
-// their four headers, then the values group by group, panel by panel, so that one row reads them
-// in order: spread over the four blocks, the values were read at 21 GB/s from memory (1.1B's
-// gate and up maps, 2 threads, Zen 4), against Q4_1's 28 GB/s.
+// their four headers, then the values group by group, panel by panel, in the order one row reads
+// them.
 // kPrefetch: whether a one-row tile asks for blocks ahead (see prefetch_ahead).
 struct Q4_1 {
   static constexpr int64_t kHeaderBytes = 2 * kFeatures * sizeof(at::Half), kVectors = 4;
@@ -89,7 +88,8 @@ struct Q4_K {
 template <class Format>
 constexpr int64_t kHeaderBytes = Format::kHeaderBytes;
 template <class Format>
-constexpr int64_t kBlockBytes = kHeaderBytes<Format> + Format::kGroupsPerBlock * 32 * Format::kVectors;
+constexpr int64_t kBlockBytes =
+    kHeaderBytes<Format> + Format::kGroupsPerBlock * 32 * Format::kVectors;
 // A strip's bytes for one group of inputs (Q4_K: an eighth of its super-block's).
 template <class Format>
 constexpr int64_t kGroupStripBytes = kStrip * kBlockBytes<Format> / Format::kGroupsPerBlock;
@@ -358,7 +358,10 @@ template <class Format, int64_t rows, int64_t panels>
     for (int64_t p = 0; p < panels; ++p) dots[m][p] = minima[m][p] = _mm256_setzero_ps();
   }
   constexpr int64_t per_block = Format::kGroupsPerBlock;
-  __m256 widened[2][panels] = {};  // Q4_K: each panel's d and dmin, widened once a super-block
+  // Q4_K: each panel's d and dmin, widened once a super-block. Widened every group, they held
+  // 1.1B's gate and up maps at one row to 21 GB/s from memory, against 28 GB/s so (2 threads, Zen
+  // 4; Q4_1's 28.7 GB/s).
+  __m256 widened[2][panels] = {};
   for (int64_t g = 0; g < num_groups; ++g) {
     if constexpr (rows == 1 && Format::kPrefetch) prefetch_ahead<Format>(strip, g);
     const int64_t within = g % per_block;
@@ -616,7 +619,8 @@ at::Tensor pack_q4_k_q8_rows(at::TensorList parts) {
           header[4 * kFeatures + (8 + g) * kFeatures + lane] = m[g];
           // Group g's block: byte 32 * v + 4 * lane + i holds inputs 4 * v + i (low half) and
           // 16 + 4 * v + i (high half) of the group.
-          uint8_t* group = to + kStrip * Q4_K::kHeaderBytes + (g * kStrip + p) * 32 * Q4_K::kVectors;
+          uint8_t* group =
+              to + kStrip * Q4_K::kHeaderBytes + (g * kStrip + p) * 32 * Q4_K::kVectors;
           for (int64_t v = 0; v < Q4_K::kVectors; ++v) {
             for (int64_t i = 0; i < 4; ++i) {
               const uint8_t* value = values + 32 * g + 4 * v + i;

@@ -1037,6 +1037,8 @@ at::Tensor pack_k_quant_blocks(at::TensorList parts, const std::vector<std::stri
       if (i == 0) num_blocks = rows.size(1) / gguf_bytes;
       TORCH_CHECK(rows.size(1) / gguf_bytes == num_blocks, op, ": part ", i, " has ",
                   rows.size(1) / gguf_bytes, " blocks a row, the first part ", num_blocks);
+      TORCH_CHECK(i + 1 == parts.size() || rows.size(0) % kPanel == 0, op, ": part ", i, " has ",
+                  rows.size(0), " rows, not whole panels of ", kPanel, " (only the last may)");
       readers.emplace_back(gguf_bytes, read);
       num_panels += (rows.size(0) + kPanel - 1) / kPanel;
     }
