@@ -186,26 +186,32 @@ def test_a_gguf_mixing_every_type_generates_as_transformers_reads_it(monkeypatch
         assert output.outputs[0].token_ids == reference_greedy(model, output.prompt_token_ids, 32)
 
 
-def _qwen3_moe_gguf(path):
-    """A tiny random Qwen3-MoE written as llama.cpp lays it out: each layer's experts stacked in
-    one tensor a projection, Q8_0; the default model's tokenizer. Its expert width is 768, what
-    transformers' GGUF reader assumes for qwen3moe files (it reads no expert_feed_forward_length).
-    """
-    from transformers import Qwen3MoeConfig
+def _moe_gguf(path, architecture: str):
+    """A tiny random mixture of experts written as llama.cpp lays it out: each layer's experts
+    stacked in one tensor a projection, Q8_0; the default model's tokenizer. qwen3moe: its
+    expert width is 768, what transformers' GGUF reader assumes for qwen3moe files (it reads no
+    expert_feed_forward_length). qwen2moe: biased query, key and value projections and a shared
+    expert behind a sigmoid gate, at the widths transformers' reader assumes (1408, 5632)."""
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
-    config = Qwen3MoeConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=768,
-        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rope_theta=1e6,
-        rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, rope_theta=1e6, rms_norm_eps=1e-6, initializer_range=0.2,
+        tie_word_embeddings=False,
     )  # fmt: skip
+    if architecture == "qwen3moe":
+        config = Qwen3MoeConfig(**common, moe_intermediate_size=768, head_dim=16)
+    else:
+        config = Qwen2MoeConfig(**common)
+    expert_width = config.moe_intermediate_size
     torch.manual_seed(0)
     weights = AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
-    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(1024)
     writer.add_block_count(2)
     writer.add_feed_forward_length(128)
-    writer.add_expert_feed_forward_length(768)
+    writer.add_expert_feed_forward_length(expert_width)
     writer.add_embedding_length(64)
     writer.add_rope_freq_base(1e6)
     writer.add_key_length(16)
@@ -235,16 +241,24 @@ def _qwen3_moe_gguf(path):
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate": "ffn_gate_inp"}  # fmt: skip
+             "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp"}  # fmt: skip
     for layer in range(2):
         prefix = f"model.layers.{layer}"
         for hf_name, gguf_name in names.items():
             small = "norm" in hf_name or hf_name == "mlp.gate"
-            tensor = weights[f"{prefix}.{hf_name}.weight"]
-            add(f"blk.{layer}.{gguf_name}.weight", tensor, "F32" if small else "Q8_0")
-        gate_up = weights[f"{prefix}.mlp.experts.gate_up_proj"]  # [experts, 2 * 768, 64]
-        add(f"blk.{layer}.ffn_gate_exps.weight", gate_up[:, :768])
-        add(f"blk.{layer}.ffn_up_exps.weight", gate_up[:, 768:])
+            for kind in ("weight", "bias"):
+                tensor = weights.get(f"{prefix}.{hf_name}.{kind}")
+                if tensor is not None:
+                    stored = "F32" if small or kind == "bias" else "Q8_0"
+                    add(f"blk.{layer}.{gguf_name}.{kind}", tensor, stored)
+        shared_gate = weights.get(f"{prefix}.mlp.shared_expert_gate.weight")  # [1, 64]
+        if shared_gate is not None:  # stored as a vector, as llama.cpp writes it
+            add(f"blk.{layer}.ffn_gate_inp_shexp.weight", shared_gate[0], "F32")
+        gate_up = weights[f"{prefix}.mlp.experts.gate_up_proj"]  # [experts, 2 * width, 64]
+        add(f"blk.{layer}.ffn_gate_exps.weight", gate_up[:, :expert_width])
+        add(f"blk.{layer}.ffn_up_exps.weight", gate_up[:, expert_width:])
         add(f"blk.{layer}.ffn_down_exps.weight", weights[f"{prefix}.mlp.experts.down_proj"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -253,13 +267,18 @@ def _qwen3_moe_gguf(path):
     return path
 
 
-def test_a_mixture_of_experts_gguf_generates_as_transformers_reads_it(monkeypatch, tmp_path):
-    path = _qwen3_moe_gguf(tmp_path / "tiny-qwen3-moe.Q8_0.gguf")
+@pytest.mark.parametrize("architecture", ["qwen3moe", "qwen2moe"])
+def test_a_mixture_of_experts_gguf_generates_as_transformers_reads_it(
+    architecture, monkeypatch, tmp_path
+):
+    path = _moe_gguf(tmp_path / f"tiny-{architecture}.Q8_0.gguf", architecture)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     llm = LLM(str(path), dtype="float32")
-    experts = llm.engine.runner.model.layers[1].mlp.experts
+    moe = llm.engine.runner.model.layers[1].mlp
+    experts = moe.experts
     assert len(experts) == 4 and experts[3].down_proj.method.name == "q8_0"
     assert experts[3].down_proj.weight is None  # packed from the file's own blocks
+    assert (moe.shared_expert is not None) == (architecture == "qwen2moe")
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
