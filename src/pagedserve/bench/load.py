@@ -352,7 +352,7 @@ def run_load(out_dir: Path, work_dir: Path, sizes: list[str], threads: int) -> P
         "from the process's start, imports included, to its first token of a 32-token prompt "
         "(in brackets: against llama.cpp's fastest on the same file); decode: the 64 tokens after "
         "it (in brackets: against llama.cpp's). `--packed-weight-dtype q4_k_q8` computes the "
-        "Q4_K maps as llama.cpp does, against inputs rounded to 8 bits; the other rows compute "
+        "Q4_K maps as llama.cpp does, against inputs rounded to 8 bits; our other rows compute "
         f"the file's weights exactly, in float32. Each holds a KV cache of {CONTEXT} tokens "
         "(ours: blocks of 16 float32 tokens). "
         f"Bound: the machine's measured memory bandwidth ({bandwidth:.1f} GB/s) over the weight "
