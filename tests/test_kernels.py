@@ -160,7 +160,7 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
             pack_blocks = getattr(pack, f"pack_{weight_dtype}")  # pack_q4_1 or pack_q4_1_q8
             packed = pack_blocks(values.to(torch.uint8), scales, minima)
         return packed, None, weight.view(out_features, in_features)
-    if weight_dtype in ("q4_k", "q4_k_q8"):  # d * sc * value - dmin * m over groups of 32
+    if weight_dtype == "q4_k_q8":  # d * sc * value - dmin * m over groups of 32
         values = torch.randint(0, 16, (out_features, in_features), generator=generator)
         blocks = (out_features, in_features // 256)
         d, dmin = ((torch.rand(blocks, generator=generator) / 256).half() for _ in range(2))
@@ -168,7 +168,7 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
         scales = (d.double()[..., None] * sc).view(out_features, -1, 1)
         minima = (dmin.double()[..., None] * m).view(out_features, -1, 1)
         weight = values.double().view(out_features, -1, 32) * scales - minima
-        packed = getattr(pack, f"pack_{weight_dtype}")(
+        packed = pack.pack_q4_k_q8(
             values.to(torch.uint8), d, dmin, sc.to(torch.uint8), m.to(torch.uint8)
         )
         return packed, None, weight.view(out_features, in_features)

@@ -19,7 +19,7 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import DecoderModel
 from pagedserve.model.gguf_blocks import BLOCK_TYPES, FORMAT_HOLDS, GGUFPart
 from pagedserve.model.layers import Linear
-from pagedserve.model.linear_method import PACKED_FORMATS, LinearMethod
+from pagedserve.model.linear_method import INTEGER_OF, PACKED_FORMATS, LinearMethod
 from pagedserve.model.source import gguf_tensor_types
 
 # Checkpoint projections that DecoderModel keeps fused in one matrix, in concatenation order, by
@@ -182,7 +182,7 @@ def _read_safetensor(path: Path, name: str) -> torch.Tensor:
 
 # Packed weight dtypes that hold every map as the checkpoint stores it (q4_k_q8 as auto, its
 # Q4_K maps computed in integers).
-_AS_STORED = ("auto", "q4_k_q8")
+_AS_STORED = ("auto", *INTEGER_OF)
 
 
 def weights_bytes(model_dir: Path, dtype: torch.dtype, packed_format: str | None) -> int:

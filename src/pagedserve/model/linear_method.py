@@ -186,8 +186,8 @@ PACKED_FORMATS: dict[str, PackedLinearMethod] = {
     )
 }
 # The formats that take a map's blocks in integers where the file stores it so, the other maps
-# being packed as auto packs them.
-_INTEGER_OF = {"q4_k_q8": "q4_k"}
+# being packed as auto packs them: each with the format auto keeps such a map in.
+INTEGER_OF = {"q4_k_q8": "q4_k"}
 
 
 class PackedFormats(NamedTuple):
@@ -206,9 +206,9 @@ def choose_format(name: str, types: Set[str], logits: bool, from_blocks: bool) -
     (a format holds the GGUF types in its holds), or from the weights as loaded (it holds the
     one type it stores); float32 holds any. q4_k_q8 packs as auto, but the maps auto keeps as q4_k
     as q4_k_q8."""
-    if name in _INTEGER_OF:
+    if name in INTEGER_OF:
         chosen = choose_format("auto", types, logits, from_blocks)
-        return name if chosen == _INTEGER_OF[name] else chosen
+        return name if chosen == INTEGER_OF[name] else chosen
     if name != "auto":
         return PACKED_FORMATS[name].logits if logits else name
     holders = [

@@ -94,18 +94,19 @@ constexpr int64_t kBlockBytes =
 template <class Format>
 constexpr int64_t kGroupStripBytes = kStrip * kBlockBytes<Format> / Format::kGroupsPerBlock;
 
-// The header and the values of group g of a strip's panel p.
-template <class Format>
-const uint8_t* header_of(const uint8_t* strip, int64_t g, int64_t p) {
-  const uint8_t* blocks = strip + g / Format::kGroupsPerBlock * kStrip * kBlockBytes<Format>;
+// The header and the values of group g of a strip's panel p (byte_t: uint8_t where they are
+// written, const uint8_t where they are read).
+template <class Format, typename byte_t>
+byte_t* header_of(byte_t* strip, int64_t g, int64_t p) {
+  byte_t* blocks = strip + g / Format::kGroupsPerBlock * kStrip * kBlockBytes<Format>;
   if constexpr (Format::kGroupsPerBlock == 1) {
     return blocks + p * kBlockBytes<Format>;
   } else {
     return blocks + p * kHeaderBytes<Format>;
   }
 }
-template <class Format>
-const uint8_t* values_of(const uint8_t* strip, int64_t g, int64_t p) {
+template <class Format, typename byte_t>
+byte_t* values_of(byte_t* strip, int64_t g, int64_t p) {
   if constexpr (Format::kGroupsPerBlock == 1) {
     return header_of<Format>(strip, g, p) + kHeaderBytes<Format>;
   } else {
@@ -586,13 +587,7 @@ at::Tensor pack_q4_k_q8_rows(at::TensorList parts) {
   std::vector<const uint8_t*> row_of;  // each output feature's row of blocks
   for (size_t i = 0; i < parts.size(); ++i) {
     const at::Tensor& rows = parts[i];
-    TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
-                    rows.size(1) % kRaw == 0,
-                "pack_k_quant_blocks: part ", i, " must be contiguous uint8 [out, blocks * ", kRaw,
-                "], got ", rows.sizes(), " ", rows.scalar_type());
-    if (i == 0) blocks = rows.size(1) / kRaw;
-    TORCH_CHECK(rows.size(1) / kRaw == blocks, "pack_k_quant_blocks: part ", i, " has ",
-                rows.size(1) / kRaw, " blocks a row, the first part ", blocks);
+    check_gguf_part("pack_k_quant_blocks", i, rows, kRaw, blocks);
     for (int64_t r = 0; r < rows.size(0); ++r) {
       row_of.push_back(rows.const_data_ptr<uint8_t>() + r * rows.size(1));
     }
@@ -606,12 +601,13 @@ at::Tensor pack_q4_k_q8_rows(at::TensorList parts) {
     uint16_t d, dmin;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t strip = item / blocks, b = item % blocks;
-      uint8_t* to = target + item * kSuperBlockBytes;
-      std::memset(to, 0, kSuperBlockBytes);
+      // The strip's super-block b, as header_of and values_of find it in the strip.
+      uint8_t* strip_start = target + (item - b) * kSuperBlockBytes;
+      std::memset(strip_start + b * kSuperBlockBytes, 0, kSuperBlockBytes);
       for (int64_t f = 0; f < kStripFeatures && strip * kStripFeatures + f < out; ++f) {
         read_q4_k_block(row_of[strip * kStripFeatures + f] + b * kRaw, d, dmin, sc, m, values);
         const int64_t p = f / kFeatures, lane = f % kFeatures;
-        uint8_t* header = to + p * Q4_K::kHeaderBytes;
+        uint8_t* header = header_of<Q4_K>(strip_start, 8 * b, p);
         std::memcpy(header + 2 * lane, &d, 2);
         std::memcpy(header + 2 * (kFeatures + lane), &dmin, 2);
         for (int64_t g = 0; g < 8; ++g) {
@@ -619,8 +615,7 @@ at::Tensor pack_q4_k_q8_rows(at::TensorList parts) {
           header[4 * kFeatures + (8 + g) * kFeatures + lane] = m[g];
           // Group g's block: byte 32 * v + 4 * lane + i holds inputs 4 * v + i (low half) and
           // 16 + 4 * v + i (high half) of the group.
-          uint8_t* group =
-              to + kStrip * Q4_K::kHeaderBytes + (g * kStrip + p) * 32 * Q4_K::kVectors;
+          uint8_t* group = values_of<Q4_K>(strip_start, 8 * b + g, p);
           for (int64_t v = 0; v < Q4_K::kVectors; ++v) {
             for (int64_t i = 0; i < 4; ++i) {
               const uint8_t* value = values + 32 * g + 4 * v + i;

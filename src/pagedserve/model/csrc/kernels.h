@@ -39,6 +39,10 @@ at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Te
 at::Tensor pack_k_quant_blocks(at::TensorList parts, const std::vector<std::string>& types,
                                c10::string_view format);
 int64_t packed_in_features(const at::Tensor& packed_weight);  // what its product takes
+// Part i of a map packed from a GGUF file's rows: contiguous uint8 [out, blocks * gguf_bytes],
+// with the first part's blocks a row (num_blocks, set by part 0).
+void check_gguf_part(const char* op, size_t i, const at::Tensor& rows, int64_t gguf_bytes,
+                     int64_t& num_blocks);
 // GGUF's Q4_K block (144 bytes) as its parts: d and dmin (float16 bits), the sc and m of its eight
 // groups of 32, and its 256 values (0-15).
 void read_q4_k_block(const uint8_t* raw, uint16_t& d, uint16_t& dmin, uint8_t* sc, uint8_t* m,

@@ -997,6 +997,17 @@ void read_q4_k_as_16_groups(const uint8_t* raw, SuperBlock& block, uint8_t* valu
   for (int64_t g = 15; g >= 0; --g) block.sc[g] = block.sc[g / 2], block.m[g] = block.m[g / 2];
 }
 
+void check_gguf_part(const char* op, size_t i, const at::Tensor& rows, int64_t gguf_bytes,
+                     int64_t& num_blocks) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
+                  rows.size(1) % gguf_bytes == 0,
+              op, ": part ", i, " must be contiguous uint8 [out, blocks * ", gguf_bytes, "], got ",
+              rows.sizes(), " ", rows.scalar_type());
+  if (i == 0) num_blocks = rows.size(1) / gguf_bytes;
+  TORCH_CHECK(rows.size(1) / gguf_bytes == num_blocks, op, ": part ", i, " has ",
+              rows.size(1) / gguf_bytes, " blocks a row, the first part ", num_blocks);
+}
+
 void read_q4_k_block(const uint8_t* raw, uint16_t& d, uint16_t& dmin, uint8_t* sc, uint8_t* m,
                      uint8_t* values) {
   SuperBlock block;
@@ -1030,13 +1041,7 @@ at::Tensor pack_k_quant_blocks(at::TensorList parts, const std::vector<std::stri
     for (size_t i = 0; i < parts.size(); ++i) {
       const auto [gguf_bytes, read] = reader_of(types[i]);
       const at::Tensor& rows = parts[i];
-      TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
-                      rows.size(1) % gguf_bytes == 0,
-                  op, ": part ", i, " must be contiguous uint8 [out, blocks * ", gguf_bytes,
-                  "], got ", rows.sizes(), " ", rows.scalar_type());
-      if (i == 0) num_blocks = rows.size(1) / gguf_bytes;
-      TORCH_CHECK(rows.size(1) / gguf_bytes == num_blocks, op, ": part ", i, " has ",
-                  rows.size(1) / gguf_bytes, " blocks a row, the first part ", num_blocks);
+      check_gguf_part(op, i, rows, gguf_bytes, num_blocks);
       TORCH_CHECK(i + 1 == parts.size() || rows.size(0) % kPanel == 0, op, ": part ", i, " has ",
                   rows.size(0), " rows, not whole panels of ", kPanel, " (only the last may)");
       readers.emplace_back(gguf_bytes, read);
