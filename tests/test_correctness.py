@@ -270,10 +270,12 @@ def test_integer_products_match_transformers_on_inputs_rounded_as_they_round_the
 
 
 @pytest.mark.cpu_only
-def test_q4_k_q8_matches_transformers_on_a_q4_k_gguf_with_inputs_rounded(monkeypatch, tmp_path):
-    """q4_k_q8 multiplies a GGUF file's Q4_K blocks in integers against each map's inputs rounded
-    to 8 bits per group of 32: transformers reading the same file, its maps' inputs so rounded,
-    up to near ties. Every matrix of the file is Q4_K, the output projection's too."""
+def test_q4_k_q8_matches_transformers_on_a_k_quant_gguf_with_inputs_rounded(monkeypatch, tmp_path):
+    """q4_k_q8 multiplies a GGUF file's Q4_K and Q6_K blocks in integers against each map's inputs
+    rounded to 8 bits per group of 32: transformers reading the same file, its maps' inputs so
+    rounded, up to near ties. The file is laid out as llama.cpp's Q4_K_M: Q4_K, but Q6_K for the
+    values' and down projections and the output projection, so that the fused query, key and
+    value map holds Q4_K parts beside a Q6_K one."""
     import gguf
     from gguf_quantize import quantize
 
@@ -282,23 +284,28 @@ def test_q4_k_q8_matches_transformers_on_a_q4_k_gguf_with_inputs_rounded(monkeyp
 
     shape = Shape(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2)
     f16 = write_f16_gguf(tmp_path / "random-llama-tiny.F16.gguf", shape, spread=0.2)
-    path = tmp_path / "random-llama-tiny.Q4_K.gguf"
+    path = tmp_path / "random-llama-tiny.Q4_K_M.gguf"
 
-    def as_q4_k(tensor):
+    def as_k_quants(tensor):
         if tensor.tensor_type != gguf.GGMLQuantizationType.F16:
             return tensor.data, tensor.tensor_type
+        six_bits = any(part in tensor.name for part in ("attn_v", "ffn_down", "output."))
+        type_name = "Q6_K" if six_bits else "Q4_K"
         weights = tensor.data.astype(np.float32)
-        return quantize(weights, "Q4_K"), gguf.GGMLQuantizationType.Q4_K
+        return quantize(weights, type_name), gguf.GGMLQuantizationType[type_name]
 
-    rewrite_gguf(f16, path, as_q4_k)
+    rewrite_gguf(f16, path, as_k_quants)
     f16.unlink()
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     llm = LLM(str(path), dtype="float32", packed_weight_dtype="q4_k_q8")
-    assert llm.engine.runner.packed_weight_dtypes == ("q4_k_q8", "q4_k_q8")
+    assert llm.engine.runner.packed_weight_dtypes == ("q4_k_q8+q6_k_q8", "q6_k_q8")
     model = AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32
     )
-    _assert_greedy_matches_up_to_near_ties(llm, model, _inputs_rounded_to_q8)
+    # Teacher-forced on our tokens, this file's log-probabilities equal the reference's to 1e-5
+    # at most steps, and a rounding step taken on one side only moves them by up to 0.1 (0.099
+    # with every matrix Q4_K): a near tie here is a margin below that.
+    _assert_greedy_matches_up_to_near_ties(llm, model, _inputs_rounded_to_q8, near_tie=0.15)
 
 
 def _inputs_rounded_to_bfloat16(module: torch.nn.Module, args: tuple) -> tuple:
@@ -323,11 +330,13 @@ def _rounded_to_bfloat16(weight: torch.Tensor) -> torch.Tensor:
     return weight.bfloat16().float()
 
 
-def _assert_greedy_matches_up_to_near_ties(llm, model, round_inputs) -> None:
+def _assert_greedy_matches_up_to_near_ties(
+    llm, model, round_inputs, near_tie: float = _NEAR_TIE
+) -> None:
     """Rounding is a step function, so float noise upstream can move an input across a boundary
     where transformers' does not: each sequence must equal the reference (its linear maps' inputs
     rounded by round_inputs) up to a step at which the reference's top two logits are within
-    _NEAR_TIE, and at least three quarters of all tokens must match."""
+    near_tie, and at least three quarters of all tokens must match."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(round_inputs)
@@ -336,7 +345,7 @@ def _assert_greedy_matches_up_to_near_ties(llm, model, round_inputs) -> None:
         expected, margins = reference_greedy_with_margins(model, prompt, NEW_TOKENS)
         differs = [i for i, (a, b) in enumerate(zip(ours, expected, strict=True)) if a != b]
         if differs:
-            assert margins[differs[0]] < _NEAR_TIE, f"differs at step {differs[0]}, not a near tie"
+            assert margins[differs[0]] < near_tie, f"differs at step {differs[0]}, not a near tie"
         matched += differs[0] if differs else NEW_TOKENS
     assert matched >= len(PROMPT_LENGTHS) * NEW_TOKENS * 3 // 4
 

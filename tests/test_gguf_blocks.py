@@ -95,16 +95,23 @@ def test_packing_a_map_in_pieces_gives_the_panels_of_the_whole(types):
 
 @pytest.mark.parametrize(
     ("type_name", "name"),
-    [("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q4_K", "q6_k"), ("Q4_K", "q4_k_q8")],
+    [
+        ("Q4_K", "q4_k"),
+        ("Q6_K", "q6_k"),
+        ("Q4_K", "q6_k"),
+        ("Q4_K", "q4_k_q8"),
+        ("Q6_K", "q6_k_q8"),
+        ("Q4_K", "q6_k_q8"),
+    ],
 )
 def test_k_quants_packed_straight_from_the_file_give_the_decoded_panels(type_name, name):
-    """Q4_K and Q6_K maps are packed from the file's bytes by one C++ pass (q4_k_q8's blocks
-    too): the same panels as the blocks decoded into integers first, for a ragged last panel, a
-    fused map (Q4_K beside Q6_K too), and blocks of arbitrary bits (every 6-bit scale and high
-    bit)."""
+    """Q4_K and Q6_K maps are packed from the file's bytes by one C++ pass (q4_k_q8's and
+    q6_k_q8's blocks too): the same panels as the blocks decoded into integers first, for a
+    ragged last panel, a fused map (Q4_K beside Q6_K too), and blocks of arbitrary bits (every
+    6-bit scale and high bit)."""
     assert cpu_kernels_available()
     ragged = _part(type_name, 37, 512, seed=3)
-    last = "Q6_K" if name == "q6_k" else type_name
+    last = "Q6_K" if name.startswith("q6_k") else type_name
     fused = [_part(type_name, 64, 512, seed=4), _part(type_name, 128, 512, seed=5)]
     fused.append(_part(last, 40, 512, seed=7))
     block_bytes = {"Q4_K": 144, "Q6_K": 210}[type_name]
@@ -119,7 +126,7 @@ def test_k_quants_packed_straight_from_the_file_give_the_decoded_panels(type_nam
     halves = [torch.from_numpy(fused[0].rows), torch.from_numpy(noise[:, 0].copy())]
     with pytest.raises(RuntimeError, match="part 1 has 1 blocks a row, the first part 2"):
         torch.ops.pagedserve.pack_k_quant_blocks(halves, [type_name] * 2, name)
-    if name != "q4_k_q8":  # whose strips take the parts' rows together
+    if not name.endswith("_q8"):  # the integer formats' strips take the parts' rows together
         ragged_first = [torch.from_numpy(ragged.rows), torch.from_numpy(fused[0].rows)]
         with pytest.raises(RuntimeError, match="part 0 has 37 rows, not whole panels"):
             torch.ops.pagedserve.pack_k_quant_blocks(ragged_first, [type_name] * 2, name)
@@ -159,12 +166,13 @@ def test_auto_packs_each_map_in_the_smallest_format_that_holds_its_parts(
     [
         ({"Q4_K"}, False, "q4_k_q8"),
         ({"Q4_K"}, True, "q4_k_q8"),
-        ({"Q4_K", "Q6_K"}, False, "q6_k"),  # held by q6_k, as auto holds them
-        ({"Q6_K"}, True, "q6_k"),
+        ({"Q4_K", "Q6_K"}, False, "q6_k_q8"),  # held by q6_k, as auto holds them
+        ({"Q6_K"}, True, "q6_k_q8"),
+        ({"Q5_K"}, False, "q5_k"),
         ({"Q5_0"}, False, "q5_0"),
     ],
 )
-def test_q4_k_q8_takes_the_q4_k_maps_and_packs_the_others_as_auto(types, logits, expected):
+def test_q4_k_q8_takes_the_q4_k_and_q6_k_maps_and_packs_the_others_as_auto(types, logits, expected):
     assert choose_format("q4_k_q8", types, logits=logits, from_blocks=True) == expected
     assert choose_format("auto", types, logits=logits, from_blocks=True) != "q4_k_q8"
 

@@ -136,6 +136,15 @@ def test_decode_attention_rejects_mismatched_inputs():
         kernel(torch.zeros(1, 4, 8, dtype=torch.bfloat16), cache, cache, tables, lens, 1.0, 0)
 
 
+# The integer K-quant products' stored values: (values' bound, inputs a group, the bounds of sc
+# and m, their type): Q4_K's 4-bit values and 6-bit sc and m per 32; Q6_K's 6-bit values and
+# every int8 sc and m per 16.
+_K_QUANTS = {
+    "q4_k_q8": (16, 32, (0, 64), torch.uint8),
+    "q6_k_q8": (64, 16, (-128, 128), torch.int8),
+}
+
+
 def _packed_weights(out_features, in_features, weight_dtype, generator):
     """(packed panels, per-feature scale or None, the float64 weights they stand for), from
     random stored values: the reference never goes through our quantization."""
@@ -160,16 +169,20 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
             pack_blocks = getattr(pack, f"pack_{weight_dtype}")  # pack_q4_1 or pack_q4_1_q8
             packed = pack_blocks(values.to(torch.uint8), scales, minima)
         return packed, None, weight.view(out_features, in_features)
-    if weight_dtype == "q4_k_q8":  # d * sc * value - dmin * m over groups of 32
-        values = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    if weight_dtype in _K_QUANTS:  # d * sc * value - dmin * m over each group
+        top, group, header_bounds, header_type = _K_QUANTS[weight_dtype]
+        values = torch.randint(0, top, (out_features, in_features), generator=generator)
         blocks = (out_features, in_features // 256)
         d, dmin = ((torch.rand(blocks, generator=generator) / 256).half() for _ in range(2))
-        sc, m = (torch.randint(0, 64, (*blocks, 8), generator=generator) for _ in range(2))
+        sc, m = (
+            torch.randint(*header_bounds, (*blocks, 256 // group), generator=generator)
+            for _ in range(2)
+        )
         scales = (d.double()[..., None] * sc).view(out_features, -1, 1)
         minima = (dmin.double()[..., None] * m).view(out_features, -1, 1)
-        weight = values.double().view(out_features, -1, 32) * scales - minima
-        packed = pack.pack_q4_k_q8(
-            values.to(torch.uint8), d, dmin, sc.to(torch.uint8), m.to(torch.uint8)
+        weight = values.double().view(out_features, -1, group) * scales - minima
+        packed = getattr(pack, f"pack_{weight_dtype}")(
+            values.to(torch.uint8), d, dmin, sc.to(header_type), m.to(header_type)
         )
         return packed, None, weight.view(out_features, in_features)
     if weight_dtype == "bfloat16_bf16":
@@ -226,15 +239,15 @@ _SUPER_BLOCK_SHAPES = [(rows, 256 * -(-k // 256), n, bias) for rows, k, n, bias 
 @pytest.mark.parametrize(
     ("weight_dtype", "rows", "in_features", "out_features", "with_bias"),
     [(dtype, *shape) for dtype in _INTEGER_DTYPES for shape in _SHAPES]
-    + [("q4_k_q8", *shape) for shape in _SUPER_BLOCK_SHAPES],
+    + [(dtype, *shape) for dtype in ("q4_k_q8", "q6_k_q8") for shape in _SUPER_BLOCK_SHAPES],
 )
 def test_integer_products_are_the_dequantized_products_of_rounded_inputs(
     rows, in_features, out_features, with_bias, weight_dtype
 ):
-    """q4_1_q8, q8_0_q8 and q4_k_q8 round each group of 32 inputs to 8-bit values with a float32
-    scale and compute the dot products with the 4-bit or 8-bit values (all of -128 to 127 among
-    them) in integers, exactly: the reference multiplies the weights the blocks stand for by the
-    inputs so rounded, in float64. An all-zero group (scale 0) is among them."""
+    """q4_1_q8, q8_0_q8, q4_k_q8 and q6_k_q8 round each group of 32 inputs to 8-bit values with a
+    float32 scale and compute the dot products with the 4-, 6- or 8-bit values (all of -128 to
+    127 among them) in integers, exactly: the reference multiplies the weights the blocks stand
+    for by the inputs so rounded, in float64. An all-zero group (scale 0) is among them."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
     packed, _, weight = _packed_weights(out_features, in_features, weight_dtype, generator)
@@ -652,7 +665,7 @@ assert cpu_kernels_available()
 generator = torch.Generator().manual_seed(0)
 rows = []
 for weight_dtype, inputs in (("q4_1_q8", 576), ("q8_0_q8", 576), ("bfloat16_bf16", 576),
-                              ("q4_k_q8", 512)):
+                              ("q4_k_q8", 512), ("q6_k_q8", 512)):
     packed, _, _ = _packed_weights(200, inputs, weight_dtype, generator)
     x = torch.randn(9, inputs, generator=generator)
     rows += [torch.ops.pagedserve.packed_linear(x[:n], packed, 200, None)[0] for n in (1, 4, 9)]
@@ -663,9 +676,9 @@ torch.save({{"rows": rows, "flags": _cflags()}}, {out!r})
 def test_products_give_the_same_bits_with_and_without_avx512_vnni_and_bf16(tmp_path):
     """The integer dot products are exact, so the build for this CPU (with AVX-512 VNNI's
     vpdpbusd where it has it) and an AVX2 build (vpmaddubsw, vpmaddwd; ATEN_CPU_CAPABILITY=avx2
-    builds the kernels as for an AVX2-only CPU) compute the same bits, for q4_1_q8, q8_0_q8
-    and q4_k_q8; bfloat16_bf16's AVX2 path makes AVX-512 BF16's vdpbf16ps steps in the same order,
-    so it too gives the same bits."""
+    builds the kernels as for an AVX2-only CPU) compute the same bits, for q4_1_q8, q8_0_q8,
+    q4_k_q8 and q6_k_q8; bfloat16_bf16's AVX2 path makes AVX-512 BF16's vdpbf16ps steps in the
+    same order, so it too gives the same bits."""
     results = {}
     for name, capability in (("host", None), ("avx2", "avx2")):
         out = tmp_path / f"{name}.pt"

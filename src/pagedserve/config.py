@@ -29,6 +29,7 @@ PACKED_WEIGHT_DTYPES = (
     "q5_k",
     "q6_k",
     "q4_k_q8",
+    "q6_k_q8",
 )
 # auto: shm on x86-64 (its stores are seen in order, which the shared-memory all-reduce relies
 # on), else gloo.

@@ -181,7 +181,7 @@ def _read_safetensor(path: Path, name: str) -> torch.Tensor:
 
 
 # Packed weight dtypes that hold every map as the checkpoint stores it (q4_k_q8 as auto, its
-# Q4_K maps computed in integers).
+# Q4_K and Q6_K maps computed in integers).
 _AS_STORED = ("auto", *INTEGER_OF)
 
 

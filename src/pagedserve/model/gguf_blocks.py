@@ -44,7 +44,9 @@ FORMAT_HOLDS: dict[str, frozenset[str]] = {
     "q4_k": frozenset({"Q4_K"}),
     "q5_k": frozenset({"Q4_K", "Q5_K"}),
     "q6_k": frozenset({"Q4_K", "Q5_K", "Q6_K"}),
-    "q4_k_q8": frozenset({"Q4_K"}),  # in integers, against inputs rounded to 8 bits
+    # In integers, against inputs rounded to 8 bits: q4_k's and q6_k's maps.
+    "q4_k_q8": frozenset({"Q4_K"}),
+    "q6_k_q8": frozenset({"Q4_K", "Q5_K", "Q6_K"}),
 }
 BLOCK_TYPES = frozenset().union(*FORMAT_HOLDS.values())
 
@@ -224,9 +226,13 @@ def pack(format_name: str, parts: Sequence[GGUFPart], rows: int = PACK_ROWS) -> 
 
 # (GGUF type, format) packed straight from the file's blocks by one C++ pass
 # (pack_k_quant_blocks), with no integers decoded in numpy: the K-quants that make up most of a
-# K-quant file's bytes, its Q4_K queries and keys beside Q6_K values, and Q4_K for the integer
-# product.
-_STRAIGHT = {("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q4_K", "q6_k"), ("Q4_K", "q4_k_q8")}
+# K-quant file's bytes, its Q4_K queries and keys beside Q6_K values, and the same for the integer
+# products.
+_STRAIGHT = {
+    *((type_name, name) for type_name in ("Q4_K", "Q6_K") for name in ("q6_k", "q6_k_q8")),
+    ("Q4_K", "q4_k"),
+    ("Q4_K", "q4_k_q8"),
+}
 
 
 def _pack_straight(format_name: str, parts: Sequence[GGUFPart]) -> torch.Tensor:
@@ -269,7 +275,8 @@ def _super_block_inputs(format_name: str, decoded: list[_SuperBlocks]) -> list[t
     """q4_k and q5_k take the blocks as they are. q6_k takes groups of 16, with values 0-63 and
     int8 sc and m: Q6_K's d * sc * (q - 32) as d * sc * (q + 32 - 32) with dmin = 32 * d and
     m = sc, and Q4_K's and Q5_K's groups of 32 as two of 16."""
-    groups = 16 if format_name == "q6_k" else 8
+    sixteens = format_name in ("q6_k", "q6_k_q8")
+    groups = 16 if sixteens else 8
     values, d, dmin, sc, m = [], [], [], [], []
     for blocks in decoded:
         repeat = groups // blocks.sc.shape[-1]
@@ -284,7 +291,7 @@ def _super_block_inputs(format_name: str, decoded: list[_SuperBlocks]) -> list[t
             values.append(blocks.values)
             dmin.append(blocks.dmin)
             m.append(np.repeat(blocks.m, repeat, axis=-1))
-    header_type = np.int8 if format_name == "q6_k" else np.uint8
+    header_type = np.int8 if sixteens else np.uint8
     arrays = (
         np.concatenate(values).astype(np.uint8),
         np.concatenate(d),

@@ -26,6 +26,16 @@
 // Q4_K's super-blocks (pack_q4_k_q8) are Q4_1's groups with scale = d * sc and minimum =
 // -(dmin * m), both exact in float32, read from a header per 256 inputs: the same sums.
 //
+// Q6_K's (pack_q6_k_q8) hold values 0-63 in 6 bits, with an int8 sc and m for each half of a
+// group (16 inputs): weight = d * sc * value - dmin * m, GGUF's Q6_K d * sc * (q - 32) with
+// dmin = 32 * d and m = sc (Q4_K's groups of 32 as two halves alike, a fused map's parts beside
+// Q6_K ones). A group's values, put together from their low four and high two bits, meet its
+// inputs as Q8_0's offset ones do, a half at a time; the halves' dot products and input sums are
+// weighted by their sc and m in integers:
+//   out[f] = (sum over g of (d[f] * d[g]) * (sc_a * dot_a + sc_b * dot_b)[f][g])
+//          - (sum over g of (dmin[f] * d[g]) * (m_a * sum_a + m_b * sum_b)[f][g]) + bias[f]
+// (a, b: the group's halves; sum: of q over the half), each integer converted to float32 once.
+//
 // With a third of the instructions, one row is held by the memory more than by arithmetic: see
 // prefetch_ahead and work_sharing.h.
 
@@ -35,6 +45,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <cstring>
@@ -69,6 +80,13 @@ constexpr int64_t kStripFeatures = kStrip * kFeatures;
 // groups' values, each as a Q4_1 block's. A strip's Q4_K blocks over a super-block are stored as
 // their four headers, then the values group by group, panel by panel, in the order one row reads
 // them.
+// A Q6_K block is a panel's eight features over a super-block: their float16 d, then dmin, each
+// half-group's sc for the eight features, then each half-group's m (an int8 each), and the groups'
+// values: their low four bits as a Q4_1 block's, then two vectors of their high two bits, the
+// first for the group's first half, the second for its second: bits 2k and 2k + 1 of byte
+// 4 * f + i hold those of feature f's value for input 4 * (4 * half + k) + i. Its strip is laid
+// out as Q4_K's. That is 7.1 bits a weight: a byte a value (9.1) is multiplied faster from cache,
+// but from memory, where maps this large are read, the fewer bytes are faster.
 // kPrefetch: whether a one-row tile asks for blocks ahead (see prefetch_ahead).
 struct Q4_1 {
   static constexpr int64_t kHeaderBytes = 2 * kFeatures * sizeof(at::Half), kVectors = 4;
@@ -83,6 +101,11 @@ struct Q8_0 {
 struct Q4_K {
   static constexpr int64_t kGroupsPerBlock = 8, kVectors = 4;
   static constexpr int64_t kHeaderBytes = 2 * kFeatures * sizeof(at::Half) + 2 * 8 * kFeatures;
+  static constexpr bool kPrefetch = true;
+};
+struct Q6_K {
+  static constexpr int64_t kGroupsPerBlock = 8, kVectors = 6;  // stored
+  static constexpr int64_t kHeaderBytes = 2 * kFeatures * sizeof(at::Half) + 2 * 16 * kFeatures;
   static constexpr bool kPrefetch = true;
 };
 template <class Format>
@@ -116,7 +139,8 @@ byte_t* values_of(byte_t* strip, int64_t g, int64_t p) {
   }
 }
 static_assert(kBlockBytes<Q4_1> != kBlockBytes<Q8_0> && kBlockBytes<Q4_K> != kBlockBytes<Q4_1> &&
-              kBlockBytes<Q4_K> != kBlockBytes<Q8_0>);
+              kBlockBytes<Q4_K> != kBlockBytes<Q8_0> && kBlockBytes<Q6_K> != kBlockBytes<Q4_1> &&
+              kBlockBytes<Q6_K> != kBlockBytes<Q8_0> && kBlockBytes<Q6_K> != kBlockBytes<Q4_K>);
 
 #ifdef PAGEDSERVE_HAS_AVX2
 
@@ -129,13 +153,14 @@ constexpr int64_t kTileRows = 2, kTilePanels = kStrip;
 constexpr int64_t kTileRows = 4, kTilePanels = 1;
 #endif
 
-// Input rows quantized group by group: values, and each group's d, d * (sum of its values) and
-// that sum.
+// Input rows quantized group by group: values, and each group's d, d * (sum of its values),
+// that sum and the sum of its first half's values.
 struct QuantizedRows {
   std::vector<int8_t> values;  // [rows][in]
   std::vector<float> scales;   // [rows][in / kGroup]
   std::vector<float> sums;     // [rows][in / kGroup]
   std::vector<int32_t> totals;  // [rows][in / kGroup]
+  std::vector<int32_t> first_totals;  // [rows][in / kGroup]
   int64_t groups_per_row;
 
   const int8_t* group_values(int64_t row, int64_t g) const {
@@ -146,7 +171,15 @@ struct QuantizedRows {
 // d = max |x| / 127 and q = round-half-even(x * (127 / max |x|)), both divisions in float32, as
 // the reference in tests/test_kernels.py computes them (the conversion rounds half to even, as the
 // CPU's default rounding mode does).
-void quantize_group(const float* x, int8_t* values, float& scale, float& sum, int32_t& total) {
+int32_t sum_of_lanes(__m256i lanes) {
+  __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+  sums = _mm_hadd_epi32(sums, sums);
+  sums = _mm_hadd_epi32(sums, sums);
+  return _mm_cvtsi128_si32(sums);
+}
+
+void quantize_group(const float* x, int8_t* values, float& scale, float& sum, int32_t& total,
+                    int32_t& first_total) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   __m256 inputs[4], largest = _mm256_setzero_ps();
   for (int64_t i = 0; i < 4; ++i) {
@@ -158,10 +191,9 @@ void quantize_group(const float* x, int8_t* values, float& scale, float& sum, in
   const float group_largest = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
   scale = group_largest / 127.0f;
   const __m256 inverse = _mm256_set1_ps(group_largest > 0.0f ? 127.0f / group_largest : 0.0f);
-  __m256i rounded[4], totals = _mm256_setzero_si256();
+  __m256i rounded[4];
   for (int64_t i = 0; i < 4; ++i) {
     rounded[i] = _mm256_cvtps_epi32(_mm256_mul_ps(inputs[i], inverse));
-    totals = _mm256_add_epi32(totals, rounded[i]);
   }
   // Packing works within each 128-bit half: the last permutation puts the values back in order.
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(rounded[0], rounded[1]),
@@ -169,11 +201,8 @@ void quantize_group(const float* x, int8_t* values, float& scale, float& sum, in
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(values),
                       _mm256_permutevar8x32_epi32(bytes, in_order));
-  __m128i sums =
-      _mm_add_epi32(_mm256_castsi256_si128(totals), _mm256_extracti128_si256(totals, 1));
-  sums = _mm_hadd_epi32(sums, sums);
-  sums = _mm_hadd_epi32(sums, sums);
-  total = _mm_cvtsi128_si32(sums);
+  first_total = sum_of_lanes(_mm256_add_epi32(rounded[0], rounded[1]));
+  total = first_total + sum_of_lanes(_mm256_add_epi32(rounded[2], rounded[3]));
   sum = scale * static_cast<float>(total);
 }
 
@@ -181,10 +210,10 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
   const int64_t groups = rows * in_features / kGroup;
   QuantizedRows quantized{std::vector<int8_t>(rows * in_features), std::vector<float>(groups),
                           std::vector<float>(groups), std::vector<int32_t>(groups),
-                          in_features / kGroup};
+                          std::vector<int32_t>(groups), in_features / kGroup};
   for (int64_t g = 0; g < groups; ++g) {
     quantize_group(x + g * kGroup, quantized.values.data() + g * kGroup, quantized.scales[g],
-                   quantized.sums[g], quantized.totals[g]);
+                   quantized.sums[g], quantized.totals[g], quantized.first_totals[g]);
   }
   return quantized;
 }
@@ -200,6 +229,17 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
 #define PAGEDSERVE_HAS_VNNI 1
 #endif
 
+// Each row's four inputs from `at` of its group, in every int32 lane of a vector.
+template <int64_t rows>
+[[gnu::always_inline]] inline void broadcast_four(const int8_t* const (&inputs)[rows], int64_t at,
+                                                  __m256i (&four_inputs)[rows]) {
+  for (int64_t m = 0; m < rows; ++m) {
+    int32_t four;
+    std::memcpy(&four, inputs[m] + at, 4);
+    four_inputs[m] = _mm256_set1_epi32(four);
+  }
+}
+
 template <int64_t rows, int64_t panels>
 [[gnu::always_inline]] inline void group_dots(Q4_1, const uint8_t* const (&values)[panels],
                                               const int8_t* const (&inputs)[rows],
@@ -213,13 +253,8 @@ template <int64_t rows, int64_t panels>
 #pragma GCC unroll 4
   for (int64_t v = 0; v < Q4_1::kVectors; ++v) {
     __m256i first[rows], second[rows];
-    for (int64_t m = 0; m < rows; ++m) {
-      int32_t four;
-      std::memcpy(&four, inputs[m] + 4 * v, 4);
-      first[m] = _mm256_set1_epi32(four);
-      std::memcpy(&four, inputs[m] + 16 + 4 * v, 4);
-      second[m] = _mm256_set1_epi32(four);
-    }
+    broadcast_four<rows>(inputs, 4 * v, first);
+    broadcast_four<rows>(inputs, 16 + 4 * v, second);
 #pragma GCC unroll 4
     for (int64_t p = 0; p < panels; ++p) {
       const __m256i bytes =
@@ -270,11 +305,7 @@ template <int64_t rows, int64_t panels>
 #pragma GCC unroll 8
   for (int64_t v = 0; v < Q8_0::kVectors; ++v) {
     __m256i four_inputs[rows];
-    for (int64_t m = 0; m < rows; ++m) {
-      int32_t four;
-      std::memcpy(&four, inputs[m] + 4 * v, 4);
-      four_inputs[m] = _mm256_set1_epi32(four);
-    }
+    broadcast_four<rows>(inputs, 4 * v, four_inputs);
 #pragma GCC unroll 4
     for (int64_t p = 0; p < panels; ++p) {
       const __m256i offset =  // value + 128
@@ -303,6 +334,56 @@ template <int64_t rows, int64_t panels>
 #ifdef PAGEDSERVE_HAS_VNNI
       dots[m][p] = _mm256_sub_epi32(dots[m][p], _mm256_set1_epi32(128 * *totals[m]));
 #endif
+    }
+  }
+}
+
+// Q6_K: the int32 dot products of each half of a row's group with each panel's values (vectors
+// 0-3: the first half's inputs, 4-7: the second's), one chain of sums a half. Vector v's values
+// are its four low bits (a nibble of stored vector v % 4) and its two high bits (bits 2 * (v % 4)
+// and up of stored vector 4 + v / 4, shifted to bits 4 and 5); the 16-bit shifts carry bits
+// across bytes only into bits the masks clear.
+template <int64_t rows, int64_t panels>
+[[gnu::always_inline]] inline void half_dots(const uint8_t* const (&values)[panels],
+                                             const int8_t* const (&inputs)[rows],
+                                             __m256i (&halves)[2][rows][panels]) {
+  const __m256i low_bits = _mm256_set1_epi8(15), high_bits = _mm256_set1_epi8(0x30);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t p = 0; p < panels; ++p) halves[0][m][p] = halves[1][m][p] = _mm256_setzero_si256();
+  }
+#pragma GCC unroll 8
+  for (int64_t v = 0; v < 8; ++v) {
+    __m256i four_inputs[rows];
+    broadcast_four<rows>(inputs, 4 * v, four_inputs);
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < panels; ++p) {
+      const auto stored = [&](int64_t i) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[p] + 32 * i));
+      };
+      const __m256i nibbles = v < 4 ? stored(v) : _mm256_srli_epi16(stored(v - 4), 4);
+      const __m256i pairs = stored(4 + v / 4);
+      const int64_t k = v % 4;
+      const __m256i high = k == 0   ? _mm256_slli_epi16(pairs, 4)
+                           : k == 1 ? _mm256_slli_epi16(pairs, 2)
+                           : k == 2 ? pairs
+                                    : _mm256_srli_epi16(pairs, 2);
+#ifdef __AVX512VL__  // A & C | B, A = nibbles, B = the high bits, C = low_bits
+      const __m256i bytes = _mm256_ternarylogic_epi32(
+          nibbles, _mm256_and_si256(high, high_bits), low_bits, (0xF0 & 0xAA) | 0xCC);
+#else
+      const __m256i bytes = _mm256_or_si256(_mm256_and_si256(nibbles, low_bits),
+                                            _mm256_and_si256(high, high_bits));
+#endif
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < rows; ++m) {
+        __m256i& sum = halves[v / 4][m][p];
+#ifdef PAGEDSERVE_HAS_VNNI
+        sum = _mm256_dpbusd_epi32(sum, bytes, four_inputs[m]);
+#else  // pair sums of at most 2 * 63 * 128
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(bytes, four_inputs[m]),
+                                                      _mm256_set1_epi16(1)));
+#endif
+      }
     }
   }
 }
@@ -385,21 +466,54 @@ template <class Format, int64_t rows, int64_t panels>
       inputs[m] = x.group_values(first_row + m, g);
       totals[m] = &x.totals[(first_row + m) * x.groups_per_row + g];
     }
-    __m256i integer_dots[rows][panels];
-    group_dots<rows, panels>(Format{}, values, inputs, totals, integer_dots);
+    if constexpr (std::is_same_v<Format, Q6_K>) {
+      __m256i halves[2][rows][panels];
+      half_dots<rows, panels>(values, inputs, halves);
 #pragma GCC unroll 4
-    for (int64_t p = 0; p < panels; ++p) {
-      const __m256 scale = group_vector<Format>(blocks[p], within, 0, widened[0][p]);
-      const __m256 minimum = with_minima ? group_vector<Format>(blocks[p], within, 1, widened[1][p])
-                                         : _mm256_setzero_ps();
+      for (int64_t p = 0; p < panels; ++p) {
+        // The halves' sc (and m): int8 for the eight features, half-groups 2 * within and 2 *
+        // within + 1.
+        const uint8_t* sc = blocks[p] + 2 * kFeatures * sizeof(at::Half) + 2 * within * kFeatures;
+        const auto widened_bytes = [](const uint8_t* bytes) {
+          return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+        };
+        const __m256i sc_a = widened_bytes(sc), sc_b = widened_bytes(sc + kFeatures);
+        const __m256i m_a = widened_bytes(sc + 16 * kFeatures);
+        const __m256i m_b = widened_bytes(sc + 17 * kFeatures);
 #pragma GCC unroll 4
-      for (int64_t m = 0; m < rows; ++m) {
-        const int64_t at = (first_row + m) * x.groups_per_row + g;
-        const __m256 group_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scales[at]));
-        dots[m][p] =
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(integer_dots[m][p]), group_scale, dots[m][p]);
-        if constexpr (with_minima) {
-          minima[m][p] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x.sums[at]), minima[m][p]);
+        for (int64_t m = 0; m < rows; ++m) {
+          const int64_t at = (first_row + m) * x.groups_per_row + g;
+          const int32_t first = x.first_totals[at], second = x.totals[at] - first;
+          const __m256i weighted = _mm256_add_epi32(_mm256_mullo_epi32(halves[0][m][p], sc_a),
+                                                    _mm256_mullo_epi32(halves[1][m][p], sc_b));
+          const __m256i offsets =
+              _mm256_add_epi32(_mm256_mullo_epi32(m_a, _mm256_set1_epi32(first)),
+                               _mm256_mullo_epi32(m_b, _mm256_set1_epi32(second)));
+          const __m256 d = _mm256_set1_ps(x.scales[at]);
+          dots[m][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(weighted),
+                                       _mm256_mul_ps(widened[0][p], d), dots[m][p]);
+          minima[m][p] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offsets),
+                                          _mm256_mul_ps(widened[1][p], d), minima[m][p]);
+        }
+      }
+    } else {
+      __m256i integer_dots[rows][panels];
+      group_dots<rows, panels>(Format{}, values, inputs, totals, integer_dots);
+#pragma GCC unroll 4
+      for (int64_t p = 0; p < panels; ++p) {
+        const __m256 scale = group_vector<Format>(blocks[p], within, 0, widened[0][p]);
+        const __m256 minimum = with_minima
+                                   ? group_vector<Format>(blocks[p], within, 1, widened[1][p])
+                                   : _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int64_t m = 0; m < rows; ++m) {
+          const int64_t at = (first_row + m) * x.groups_per_row + g;
+          const __m256 group_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scales[at]));
+          dots[m][p] =
+              _mm256_fmadd_ps(_mm256_cvtepi32_ps(integer_dots[m][p]), group_scale, dots[m][p]);
+          if constexpr (with_minima) {
+            minima[m][p] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x.sums[at]), minima[m][p]);
+          }
         }
       }
     }
@@ -470,6 +584,7 @@ void check_avx2(const char* op) {
 
 const char* packer_name(const at::Tensor& packed) {
   if (packed.size(3) == kBlockBytes<Q8_0>) return "pack_q8_0_q8";
+  if (packed.size(3) == kBlockBytes<Q6_K>) return "pack_q6_k_q8";
   return packed.size(3) == kBlockBytes<Q4_K> ? "pack_q4_k_q8" : "pack_q4_1_q8";
 }
 
@@ -507,6 +622,132 @@ at::Tensor strip_blocks(at::TensorList header_parts, const at::Tensor& value_byt
   return at::cat({headers.view({strips, groups, kStrip, parts * kFeatures}).view(at::kByte),
                   value_bytes.reshape({strips, groups, kStrip, -1})},
                  3);
+}
+
+
+// A super-block format's values [out][in], padded to whole strips, as
+// [strip][panel][feature][block][group][half][k][input]: input 16 * half + 4 * k + input of the
+// group.
+at::Tensor in_groups(const at::Tensor& values) {
+  const int64_t strips = (values.size(0) + kStripFeatures - 1) / kStripFeatures;
+  return padded_to_strips(values).view(
+      {strips, kStrip, kFeatures, values.size(1) / 256, 8, 2, 4, 4});
+}
+
+// Their low four bits as Q4_1's, [strip][block][group][panel][k][feature][input]: a group's
+// first half in the low nibbles, its second in the high ones.
+at::Tensor low_nibbles(const at::Tensor& grouped) {
+  const at::Tensor split = grouped.permute({0, 3, 4, 1, 6, 2, 7, 5}).bitwise_and(15);
+  return split.select(7, 0).bitwise_or(split.select(7, 1).mul(16));
+}
+
+// A super-block format's blocks [strips][blocks][kStrip][block bytes] from its header parts
+// (d, dmin: [out][blocks]; sc, m: [out][blocks][groups]) and its value bytes, ordered
+// [strip][block][group][panel][...]: each super-block's four headers, then its values.
+template <class Format>
+at::Tensor super_blocks(at::TensorList header_parts, const at::Tensor& value_bytes) {
+  const int64_t strips = value_bytes.size(0), blocks = value_bytes.size(1);
+  std::vector<at::Tensor> headers;
+  for (const at::Tensor& part : header_parts) {
+    // [strip][panel][feature][block][n] -> [strip][block][panel][n][feature], as bytes
+    const at::Tensor padded = padded_to_strips(part.reshape({part.size(0), blocks, -1}));
+    headers.push_back(padded.view({strips, kStrip, kFeatures, blocks, padded.size(2)})
+                          .permute({0, 3, 1, 4, 2})
+                          .contiguous()
+                          .view(at::kByte)
+                          .view({strips, blocks, kStrip, -1}));
+  }
+  return at::cat({at::cat(headers, 3).view({strips, blocks, -1}),
+                  value_bytes.reshape({strips, blocks, -1})},
+                 2)
+      .view({strips, blocks, kStrip, kBlockBytes<Format>});
+}
+
+// Feature `lane` of panel p over super-block b of a strip (strip_start), from its header and
+// values as a reader gives them: Q4_K's groups of 32 as nibble pairs, Q6_K's as nibble pairs and
+// then their high bits.
+template <class Format>
+void place_super_block(uint8_t* strip_start, int64_t b, int64_t p, int64_t lane,
+                       const pagedserve::SuperBlock& block, const uint8_t* values) {
+  constexpr bool six_bits = std::is_same_v<Format, Q6_K>;
+  constexpr int64_t header_groups = six_bits ? 16 : 8;
+  uint8_t* header = header_of<Format>(strip_start, 8 * b, p);
+  std::memcpy(header + 2 * lane, &block.d, 2);
+  std::memcpy(header + 2 * (kFeatures + lane), &block.dmin, 2);
+  for (int64_t g = 0; g < header_groups; ++g) {
+    header[4 * kFeatures + g * kFeatures + lane] = static_cast<uint8_t>(block.sc[g]);
+    header[4 * kFeatures + (header_groups + g) * kFeatures + lane] =
+        static_cast<uint8_t>(block.m[g]);
+  }
+  for (int64_t g = 0; g < 8; ++g) {
+    // Byte 32 * v + 4 * lane + i of group g's block: input 4 * v + i of the group in its low half
+    // (Q6_K: low four bits) and input 16 + 4 * v + i in its high half, for v < 4; Q6_K's high two
+    // bits of input 16 * (v - 4) + 4 * k + i in bits 2k, 2k + 1, for v = 4, 5.
+    uint8_t* group = values_of<Format>(strip_start, 8 * b + g, p);
+    const uint8_t* group_values = values + 32 * g;
+    for (int64_t v = 0; v < 4; ++v) {
+      for (int64_t i = 0; i < 4; ++i) {
+        const uint8_t* value = group_values + 4 * v + i;
+        group[32 * v + 4 * lane + i] = (value[0] & 15) | (value[16] & 15) << 4;
+      }
+    }
+    for (int64_t half = 0; six_bits && half < 2; ++half) {
+      for (int64_t i = 0; i < 4; ++i) {
+        uint8_t pairs = 0;
+        for (int64_t k = 0; k < 4; ++k) {
+          pairs |= (group_values[16 * half + 4 * k + i] >> 4) << 2 * k;
+        }
+        group[32 * (4 + half) + 4 * lane + i] = pairs;
+      }
+    }
+  }
+}
+
+// A super-block format's blocks straight from a GGUF file's rows, written in place: each strip's
+// super-block is decoded and laid out by one thread, with no integer arrays in between. The
+// parts' rows (readers[i]: part i's block bytes and reader) fill the strips one after another.
+template <class Format>
+at::Tensor super_blocks_from_rows(
+    at::TensorList parts,
+    const std::vector<std::pair<int64_t, pagedserve::ReadSuperBlock>>& readers) {
+  const char* op = "pack_k_quant_blocks";
+  check_avx2(op);
+  constexpr int64_t kSuperBlockBytes = kStrip * kBlockBytes<Format>;
+  struct Row {
+    const uint8_t* bytes;
+    int64_t block_bytes;
+    pagedserve::ReadSuperBlock read;
+  };
+  int64_t blocks = -1;
+  std::vector<Row> row_of;  // each output feature's row of blocks
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& rows = parts[i];
+    const auto [block_bytes, read] = readers[i];
+    pagedserve::check_gguf_part(op, i, rows, block_bytes, blocks);
+    for (int64_t r = 0; r < rows.size(0); ++r) {
+      row_of.push_back({rows.const_data_ptr<uint8_t>() + r * rows.size(1), block_bytes, read});
+    }
+  }
+  const int64_t out = static_cast<int64_t>(row_of.size());
+  const int64_t strips = (out + kStripFeatures - 1) / kStripFeatures;
+  at::Tensor packed = at::empty({strips, blocks, kStrip, kBlockBytes<Format>}, at::kByte);
+  uint8_t* target = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, strips * blocks, 1, [&](int64_t begin, int64_t end) {
+    pagedserve::SuperBlock block;
+    uint8_t values[256];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t strip = item / blocks, b = item % blocks;
+      // The strip's super-block b, as header_of and values_of find it in the strip.
+      uint8_t* strip_start = target + (item - b) * kSuperBlockBytes;
+      std::memset(strip_start + b * kSuperBlockBytes, 0, kSuperBlockBytes);
+      for (int64_t f = 0; f < kStripFeatures && strip * kStripFeatures + f < out; ++f) {
+        const Row& row = row_of[strip * kStripFeatures + f];
+        row.read(row.bytes + b * row.block_bytes, block, values);
+        place_super_block<Format>(strip_start, b, f / kFeatures, f % kFeatures, block, values);
+      }
+    }
+  });
+  return packed;
 }
 
 }  // namespace
@@ -554,79 +795,36 @@ at::Tensor pack_q4_k_q8(const at::Tensor& values, const at::Tensor& d, const at:
                         const at::Tensor& sc, const at::Tensor& m) {
   check_avx2("pack_q4_k_q8");
   check_q4_k_inputs("pack_q4_k_q8", values, d, dmin, sc, m);
-  const int64_t strips = (values.size(0) + kStripFeatures - 1) / kStripFeatures;
-  const int64_t blocks = values.size(1) / 256;
-  // [strip][panel][feature][block][group][half][vector][input]
-  //   -> [strip][block][group][panel][vector][feature][input][half]
-  const at::Tensor split =
-      padded_to_strips(values)
-          .view({strips, kStrip, kFeatures, blocks, 8, 2, Q4_K::kVectors, 4})
-          .permute({0, 3, 4, 1, 6, 2, 7, 5});
-  const at::Tensor value_bytes = split.select(7, 0).bitwise_or(split.select(7, 1).mul(16));
-  // [strip][panel][feature][block][n] -> [strip][block][panel][n][feature], as bytes
-  const auto header_part = [&](const at::Tensor& part) {
-    const at::Tensor padded = padded_to_strips(part.reshape({part.size(0), blocks, -1}));
-    return padded.view({strips, kStrip, kFeatures, blocks, padded.size(2)})
-        .permute({0, 3, 1, 4, 2})
-        .contiguous()
-        .view(at::kByte)
-        .view({strips, blocks, kStrip, -1});
-  };
-  const at::Tensor headers =
-      at::cat({header_part(d), header_part(dmin), header_part(sc), header_part(m)}, 3);
-  return at::cat({headers.view({strips, blocks, -1}), value_bytes.reshape({strips, blocks, -1})}, 2)
-      .view({strips, blocks, kStrip, kBlockBytes<Q4_K>});
+  return super_blocks<Q4_K>({d, dmin, sc, m}, low_nibbles(in_groups(values)));
 }
 
-// The same from the file's bytes, written in place: each strip's super-block is decoded and laid
-// out by one thread, with no integer arrays in between.
-at::Tensor pack_q4_k_q8_rows(at::TensorList parts) {
-  check_avx2("pack_k_quant_blocks");
-  constexpr int64_t kRaw = 144, kSuperBlockBytes = kStrip * kBlockBytes<Q4_K>;
-  int64_t blocks = -1;
-  std::vector<const uint8_t*> row_of;  // each output feature's row of blocks
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const at::Tensor& rows = parts[i];
-    check_gguf_part("pack_k_quant_blocks", i, rows, kRaw, blocks);
-    for (int64_t r = 0; r < rows.size(0); ++r) {
-      row_of.push_back(rows.const_data_ptr<uint8_t>() + r * rows.size(1));
-    }
-  }
-  const int64_t out = static_cast<int64_t>(row_of.size());
-  const int64_t strips = (out + kStripFeatures - 1) / kStripFeatures;
-  at::Tensor packed = at::empty({strips, blocks, kStrip, kBlockBytes<Q4_K>}, at::kByte);
-  uint8_t* target = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, strips * blocks, 1, [&](int64_t begin, int64_t end) {
-    uint8_t values[256], sc[8], m[8];
-    uint16_t d, dmin;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t strip = item / blocks, b = item % blocks;
-      // The strip's super-block b, as header_of and values_of find it in the strip.
-      uint8_t* strip_start = target + (item - b) * kSuperBlockBytes;
-      std::memset(strip_start + b * kSuperBlockBytes, 0, kSuperBlockBytes);
-      for (int64_t f = 0; f < kStripFeatures && strip * kStripFeatures + f < out; ++f) {
-        read_q4_k_block(row_of[strip * kStripFeatures + f] + b * kRaw, d, dmin, sc, m, values);
-        const int64_t p = f / kFeatures, lane = f % kFeatures;
-        uint8_t* header = header_of<Q4_K>(strip_start, 8 * b, p);
-        std::memcpy(header + 2 * lane, &d, 2);
-        std::memcpy(header + 2 * (kFeatures + lane), &dmin, 2);
-        for (int64_t g = 0; g < 8; ++g) {
-          header[4 * kFeatures + g * kFeatures + lane] = sc[g];
-          header[4 * kFeatures + (8 + g) * kFeatures + lane] = m[g];
-          // Group g's block: byte 32 * v + 4 * lane + i holds inputs 4 * v + i (low half) and
-          // 16 + 4 * v + i (high half) of the group.
-          uint8_t* group = values_of<Q4_K>(strip_start, 8 * b + g, p);
-          for (int64_t v = 0; v < Q4_K::kVectors; ++v) {
-            for (int64_t i = 0; i < 4; ++i) {
-              const uint8_t* value = values + 32 * g + 4 * v + i;
-              group[32 * v + 4 * lane + i] = value[0] | value[16] << 4;
-            }
-          }
-        }
-      }
-    }
-  });
-  return packed;
+// values: [out, in] uint8, 0-63; d and dmin: [out, in / 256] float16; sc and m: [out, in / 256,
+// 16] int8 (weight = d * sc * value - dmin * m over each group of 16), as pack_q6_k takes them.
+// Returns blocks as pack_q4_k_q8 does, each group's values' low bits as Q4_1's, then their high
+// bits.
+at::Tensor pack_q6_k_q8(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
+                        const at::Tensor& sc, const at::Tensor& m) {
+  check_avx2("pack_q6_k_q8");
+  check_q6_k_inputs("pack_q6_k_q8", values, d, dmin, sc, m);
+  const at::Tensor grouped = in_groups(values);
+  // -> [strip][block][group][panel][half][feature][input][k]
+  const at::Tensor high = grouped.permute({0, 3, 4, 1, 5, 2, 7, 6}).bitwise_right_shift(4);
+  at::Tensor pairs = at::zeros_like(high.select(7, 0));
+  for (int64_t k = 0; k < 4; ++k) pairs.bitwise_or_(high.select(7, k).bitwise_left_shift(2 * k));
+  const at::Tensor nibbles = low_nibbles(grouped);
+  const std::vector<int64_t> vectors{nibbles.size(0), nibbles.size(1), 8, kStrip, -1, 32};
+  return super_blocks<Q6_K>({d, dmin, sc, m},
+                            at::cat({nibbles.reshape(vectors), pairs.reshape(vectors)}, 4));
+}
+
+at::Tensor pack_q4_k_q8_rows(at::TensorList parts,
+                             const std::vector<std::pair<int64_t, ReadSuperBlock>>& readers) {
+  return super_blocks_from_rows<Q4_K>(parts, readers);
+}
+
+at::Tensor pack_q6_k_q8_rows(at::TensorList parts,
+                             const std::vector<std::pair<int64_t, ReadSuperBlock>>& readers) {
+  return super_blocks_from_rows<Q6_K>(parts, readers);
 }
 
 bool is_integer_blocks(const at::Tensor& packed_weight) {
@@ -636,11 +834,12 @@ bool is_integer_blocks(const at::Tensor& packed_weight) {
   }
   const int64_t block_bytes = packed_weight.size(3);
   return block_bytes == kBlockBytes<Q4_1> || block_bytes == kBlockBytes<Q8_0> ||
-         block_bytes == kBlockBytes<Q4_K>;
+         block_bytes == kBlockBytes<Q4_K> || block_bytes == kBlockBytes<Q6_K>;
 }
 
 int64_t integer_block_inputs(const at::Tensor& packed_weight) {
-  return packed_weight.size(3) == kBlockBytes<Q4_K> ? 256 : kGroup;
+  const int64_t block_bytes = packed_weight.size(3);
+  return block_bytes == kBlockBytes<Q4_K> || block_bytes == kBlockBytes<Q6_K> ? 256 : kGroup;
 }
 
 at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weight,
@@ -653,6 +852,9 @@ at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weig
   }
   if (packed_weight.size(3) == kBlockBytes<Q4_K>) {
     return product<Q4_K>(input.contiguous(), packed_weight, out_features, bias);
+  }
+  if (packed_weight.size(3) == kBlockBytes<Q6_K>) {
+    return product<Q6_K>(input.contiguous(), packed_weight, out_features, bias);
   }
   return product<Q4_1>(input.contiguous(), packed_weight, out_features, bias);
 #else

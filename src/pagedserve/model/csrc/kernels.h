@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace pagedserve {
@@ -43,10 +44,6 @@ int64_t packed_in_features(const at::Tensor& packed_weight);  // what its produc
 // with the first part's blocks a row (num_blocks, set by part 0).
 void check_gguf_part(const char* op, size_t i, const at::Tensor& rows, int64_t gguf_bytes,
                      int64_t& num_blocks);
-// GGUF's Q4_K block (144 bytes) as its parts: d and dmin (float16 bits), the sc and m of its eight
-// groups of 32, and its 256 values (0-15).
-void read_q4_k_block(const uint8_t* raw, uint16_t& d, uint16_t& dmin, uint8_t* sc, uint8_t* m,
-                     uint8_t* values);
 // A block packer's inputs: values [out, in] of values_type, each header part (scales, minima)
 // float16 [out, in / 32]; check_q4_1_inputs adds that the values are 0-15.
 void check_block_inputs(const char* op, const at::Tensor& values, at::ScalarType values_type,
@@ -57,21 +54,43 @@ void check_q4_1_inputs(const char* op, const at::Tensor& values, const at::Tenso
 // [out, in / 256, 8]).
 void check_q4_k_inputs(const char* op, const at::Tensor& values, const at::Tensor& d,
                        const at::Tensor& dmin, const at::Tensor& sc, const at::Tensor& m);
+// pack_q6_k's inputs (values 0-63 [out, in], d and dmin float16 [out, in / 256], sc and m int8
+// [out, in / 256, 16]).
+void check_q6_k_inputs(const char* op, const at::Tensor& values, const at::Tensor& d,
+                       const at::Tensor& dmin, const at::Tensor& sc, const at::Tensor& m);
+// One GGUF super-block's header as the packed formats hold it: d and dmin as float16 bits, each
+// group's sc and m. A reader writes the block's 256 values apart from it, to `values`, which
+// aliases neither the header nor the file's bytes (so that its loops vectorise).
+struct SuperBlock {
+  uint16_t d, dmin;
+  int8_t sc[16], m[16];
+};
+// A GGUF type's block bytes and its reader into q6_k's groups of 16 (Q6_K, or Q4_K's groups of
+// 32 as two each).
+using ReadSuperBlock = void (*)(const uint8_t*, SuperBlock&, uint8_t*);
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weight,
                          int64_t out_features, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scale);
 
-// integer_linear.cpp: packed_linear's product for pack_q4_1_q8, pack_q8_0_q8 and pack_q4_k_q8
-// results (its input, scale and bias checked by packed_linear; bias nullptr or out_features
-// floats)
+// integer_linear.cpp: packed_linear's product for pack_q4_1_q8, pack_q8_0_q8, pack_q4_k_q8 and
+// pack_q6_k_q8 results (its input, scale and bias checked by packed_linear; bias nullptr or
+// out_features floats)
 at::Tensor pack_q4_1_q8(const at::Tensor& values, const at::Tensor& scales,
                         const at::Tensor& minima);
 at::Tensor pack_q8_0_q8(const at::Tensor& values, const at::Tensor& scales);
 at::Tensor pack_q4_k_q8(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                         const at::Tensor& sc, const at::Tensor& m);
-// pack_q4_k_q8's blocks straight from a GGUF file's Q4_K rows ([out][blocks * 144] uint8), part
-// after part.
-at::Tensor pack_q4_k_q8_rows(at::TensorList parts);
+// values 0-63, d, dmin, sc and m as pack_q6_k takes them (weight = d * sc * value - dmin * m over
+// each group of 16).
+at::Tensor pack_q6_k_q8(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
+                        const at::Tensor& sc, const at::Tensor& m);
+// pack_q4_k_q8's or pack_q6_k_q8's blocks straight from a GGUF file's rows ([out][blocks * block
+// bytes] uint8), part after part, part i's blocks of readers[i].first bytes read by
+// readers[i].second.
+at::Tensor pack_q4_k_q8_rows(at::TensorList parts,
+                             const std::vector<std::pair<int64_t, ReadSuperBlock>>& readers);
+at::Tensor pack_q6_k_q8_rows(at::TensorList parts,
+                             const std::vector<std::pair<int64_t, ReadSuperBlock>>& readers);
 bool is_integer_blocks(const at::Tensor& packed_weight);  // any one's result, by its shape
 int64_t integer_block_inputs(const at::Tensor& packed_weight);  // inputs a block covers
 at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weight,

@@ -764,6 +764,12 @@ void check_q4_k_inputs(const char* op, const at::Tensor& values, const at::Tenso
   check_super_block_header<Q4_K>(op, values, d, dmin, sc, m, at::kByte, at::kByte);
 }
 
+void check_q6_k_inputs(const char* op, const at::Tensor& values, const at::Tensor& d,
+                       const at::Tensor& dmin, const at::Tensor& sc, const at::Tensor& m) {
+  check_format_inputs<Q6_K>(op, values, 63);
+  check_super_block_header<Q6_K>(op, values, d, dmin, sc, m, at::kChar, at::kChar);
+}
+
 // The panels keep the weight's dtype: float32, bfloat16, float16, or int8 (quantized values,
 // whose per-feature scales packed_linear takes apart).
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -834,18 +840,9 @@ at::Tensor pack_q5_k(const at::Tensor& values, const at::Tensor& d, const at::Te
 // [out, in / 256, 16] int8 (weight = d * sc * value - dmin * m over each group of 16).
 at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                      const at::Tensor& sc, const at::Tensor& m) {
-  check_format_inputs<Q6_K>("pack_q6_k", values, 63);
-  check_super_block_header<Q6_K>("pack_q6_k", values, d, dmin, sc, m, at::kChar, at::kChar);
+  check_q6_k_inputs("pack_q6_k", values, d, dmin, sc, m);
   return pack_blocks({d, dmin, sc, m}, byte_rows(values));
 }
-
-// One GGUF super-block's header as the packed formats hold it: d and dmin as float16 bits, each
-// group's sc and m. A reader writes the block's 256 values apart from it, to `values`, which
-// aliases neither the header nor the file's bytes (so that its loops vectorise).
-struct SuperBlock {
-  uint16_t d, dmin;
-  int8_t sc[16], m[16];
-};
 
 // GGUF's Q4_K block (144 bytes): d, dmin, 12 bytes of 6-bit sc and m for 8 groups of 32, then
 // 128 bytes: chunk c's 32 bytes hold inputs 64c to 64c + 31 in their low halves, 64c + 32 to
@@ -937,7 +934,6 @@ inline void transpose_bytes_16x16(const uint8_t* in, int64_t in_stride, uint8_t*
 // with no integer arrays in between: a panel's block decodes its kPanel features' blocks one by
 // one, then turns their values input-major sixteen by sixteen. Every byte of the packed block is
 // written (features past out: zeros).
-using ReadSuperBlock = void (*)(const uint8_t*, SuperBlock&, uint8_t*);
 template <typename Format>
 void pack_gguf_super_blocks(const at::Tensor& rows, int64_t gguf_bytes, ReadSuperBlock read,
                             uint8_t* target) {
@@ -1008,69 +1004,66 @@ void check_gguf_part(const char* op, size_t i, const at::Tensor& rows, int64_t g
               rows.size(1) / gguf_bytes, " blocks a row, the first part ", num_blocks);
 }
 
-void read_q4_k_block(const uint8_t* raw, uint16_t& d, uint16_t& dmin, uint8_t* sc, uint8_t* m,
-                     uint8_t* values) {
-  SuperBlock block;
-  read_q4_k(raw, block, values);
-  d = block.d, dmin = block.dmin;
-  for (int64_t g = 0; g < 8; ++g) {
-    sc[g] = static_cast<uint8_t>(block.sc[g]);
-    m[g] = static_cast<uint8_t>(block.m[g]);
-  }
-}
-
-// format "q4_k" of type "Q4_K"; format "q6_k" of type "Q6_K" or "Q4_K" (a fused map's Q4_K parts
-// beside a Q6_K one); format "q4_k_q8" of type "Q4_K". Each part's panels follow the previous
-// part's in one tensor, so that a fused map's parts are packed in place, with no copy to join them.
+// format "q4_k" of type "Q4_K"; format "q6_k" or "q6_k_q8" of type "Q6_K" or "Q4_K" (a fused
+// map's Q4_K parts beside a Q6_K one); format "q4_k_q8" of type "Q4_K". Each part's panels follow
+// the previous part's in one tensor, so that a fused map's parts are packed in place, with no copy
+// to join them.
 at::Tensor pack_k_quant_blocks(at::TensorList parts, const std::vector<std::string>& types,
                                c10::string_view format) {
   const char* op = "pack_k_quant_blocks";
   TORCH_CHECK(!parts.empty() && parts.size() == types.size(), op,
               ": one type a part, for at least one part; got ", parts.size(), " parts and ",
               types.size(), " types");
+  const auto refuse = [&](const std::string& type) {
+    TORCH_CHECK(false, op, ": no packing of GGUF ", type, " blocks as ", format);
+    return std::pair<int64_t, ReadSuperBlock>{};
+  };
+  const auto readers = [&](auto&& reader_of) {
+    std::vector<std::pair<int64_t, ReadSuperBlock>> result;
+    for (const std::string& type : types) result.push_back(reader_of(type));
+    return result;
+  };
+  const auto as_16_groups = [&](const std::string& type) {
+    if (type == "Q6_K") return std::pair<int64_t, ReadSuperBlock>{210, read_q6_k};
+    if (type == "Q4_K") return std::pair<int64_t, ReadSuperBlock>{144, read_q4_k_as_16_groups};
+    return refuse(type);
+  };
   if (format == "q4_k_q8") {
     for (const std::string& type : types) {
-      TORCH_CHECK(type == "Q4_K", op, ": no packing of GGUF ", type, " blocks as ", format);
+      if (type != "Q4_K") refuse(type);
     }
-    return pack_q4_k_q8_rows(parts);  // integer_linear.cpp
+    return pack_q4_k_q8_rows(parts, readers([](const std::string&) {  // integer_linear.cpp
+                               return std::pair<int64_t, ReadSuperBlock>{144, read_q4_k};
+                             }));
   }
-  const auto pack = [&](auto format_tag, auto&& reader_of) {
+  if (format == "q6_k_q8") return pack_q6_k_q8_rows(parts, readers(as_16_groups));
+  const auto pack = [&](auto format_tag,
+                        const std::vector<std::pair<int64_t, ReadSuperBlock>>& part_readers) {
     using Format = decltype(format_tag);
     int64_t num_panels = 0, num_blocks = -1;
-    std::vector<std::pair<int64_t, ReadSuperBlock>> readers;
     for (size_t i = 0; i < parts.size(); ++i) {
-      const auto [gguf_bytes, read] = reader_of(types[i]);
       const at::Tensor& rows = parts[i];
-      check_gguf_part(op, i, rows, gguf_bytes, num_blocks);
+      check_gguf_part(op, i, rows, part_readers[i].first, num_blocks);
       TORCH_CHECK(i + 1 == parts.size() || rows.size(0) % kPanel == 0, op, ": part ", i, " has ",
                   rows.size(0), " rows, not whole panels of ", kPanel, " (only the last may)");
-      readers.emplace_back(gguf_bytes, read);
       num_panels += (rows.size(0) + kPanel - 1) / kPanel;
     }
     at::Tensor packed = at::empty({num_panels, num_blocks, kBlockBytes<Format>}, at::kByte);
     uint8_t* target = packed.data_ptr<uint8_t>();
     for (size_t i = 0; i < parts.size(); ++i) {
-      pack_gguf_super_blocks<Format>(parts[i], readers[i].first, readers[i].second, target);
+      pack_gguf_super_blocks<Format>(parts[i], part_readers[i].first, part_readers[i].second,
+                                     target);
       target += (parts[i].size(0) + kPanel - 1) / kPanel * num_blocks * kBlockBytes<Format>;
     }
     return packed;
   };
-  const auto refuse = [&](const std::string& type) {
-    TORCH_CHECK(false, op, ": no packing of GGUF ", type, " blocks as ", format);
-    return std::pair<int64_t, ReadSuperBlock>{};
-  };
   if (format == "q4_k") {
-    return pack(Q4_K{}, [&](const std::string& type) {
-      return type == "Q4_K" ? std::pair<int64_t, ReadSuperBlock>{144, read_q4_k} : refuse(type);
-    });
+    return pack(Q4_K{}, readers([&](const std::string& type) {
+                  return type == "Q4_K" ? std::pair<int64_t, ReadSuperBlock>{144, read_q4_k}
+                                        : refuse(type);
+                }));
   }
-  if (format == "q6_k") {
-    return pack(Q6_K{}, [&](const std::string& type) {
-      if (type == "Q6_K") return std::pair<int64_t, ReadSuperBlock>{210, read_q6_k};
-      if (type == "Q4_K") return std::pair<int64_t, ReadSuperBlock>{144, read_q4_k_as_16_groups};
-      return refuse(type);
-    });
-  }
+  if (format == "q6_k") return pack(Q6_K{}, readers(as_16_groups));
   TORCH_CHECK(false, op, ": no packing of GGUF ", types.front(), " blocks as ", format);
 }
 
