@@ -157,7 +157,8 @@ def test_auto_packs_each_map_in_the_smallest_format_that_holds_its_parts(
     types, from_blocks, expected
 ):
     assert choose_format("auto", types, logits=False, from_blocks=from_blocks) == expected
-    holders = [m for m in PACKED_FORMATS.values() if types <= m.holds and from_blocks]
+    exact = [m for m in PACKED_FORMATS.values() if not m.rounds_inputs]
+    holders = [m for m in exact if types <= m.holds and from_blocks]
     assert all(PACKED_FORMATS[expected].bytes_per_weight <= m.bytes_per_weight for m in holders)
 
 
@@ -169,10 +170,14 @@ def test_auto_packs_each_map_in_the_smallest_format_that_holds_its_parts(
         ({"Q4_K", "Q6_K"}, False, "q6_k_q8"),  # held by q6_k, as auto holds them
         ({"Q6_K"}, True, "q6_k_q8"),
         ({"Q5_K"}, False, "q5_k"),
-        ({"Q5_0"}, False, "q5_0"),
+        ({"Q5_0"}, False, "q5_0_q8"),
+        ({"Q5_0", "Q8_0"}, False, "q8_0_q8"),
+        ({"Q5_1", "Q8_0"}, False, "q8_min"),
     ],
 )
-def test_q4_k_q8_takes_the_q4_k_and_q6_k_maps_and_packs_the_others_as_auto(types, logits, expected):
+def test_q4_k_q8_takes_a_k_quant_files_maps_in_integers_and_the_others_as_auto(
+    types, logits, expected
+):
     assert choose_format("q4_k_q8", types, logits=logits, from_blocks=True) == expected
     assert choose_format("auto", types, logits=logits, from_blocks=True) != "q4_k_q8"
 

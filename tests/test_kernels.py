@@ -169,6 +169,13 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
             pack_blocks = getattr(pack, f"pack_{weight_dtype}")  # pack_q4_1 or pack_q4_1_q8
             packed = pack_blocks(values.to(torch.uint8), scales, minima)
         return packed, None, weight.view(out_features, in_features)
+    if weight_dtype == "q5_0_q8":  # d * (value - 16)
+        values = torch.randint(0, 32, (out_features, in_features), generator=generator)
+        groups = (out_features, in_features // 32)
+        scales = (torch.rand(groups, generator=generator) / 16).half()
+        weight = (values.double() - 16).view(*groups, 32) * scales.double()[..., None]
+        packed = pack.pack_q5_0_q8(values.to(torch.uint8), scales)
+        return packed, None, weight.view(out_features, in_features)
     if weight_dtype in _K_QUANTS:  # d * sc * value - dmin * m over each group
         top, group, header_bounds, header_type = _K_QUANTS[weight_dtype]
         values = torch.randint(0, top, (out_features, in_features), generator=generator)
@@ -231,7 +238,7 @@ def test_packed_linear_matches_plain_product(
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-_INTEGER_DTYPES = ["q4_1_q8", "q8_0_q8"]
+_INTEGER_DTYPES = ["q4_1_q8", "q8_0_q8", "q5_0_q8"]
 # Q4_K's super-blocks take 256 inputs: the shapes above with whole super-blocks.
 _SUPER_BLOCK_SHAPES = [(rows, 256 * -(-k // 256), n, bias) for rows, k, n, bias in _SHAPES]
 
@@ -244,10 +251,10 @@ _SUPER_BLOCK_SHAPES = [(rows, 256 * -(-k // 256), n, bias) for rows, k, n, bias 
 def test_integer_products_are_the_dequantized_products_of_rounded_inputs(
     rows, in_features, out_features, with_bias, weight_dtype
 ):
-    """q4_1_q8, q8_0_q8, q4_k_q8 and q6_k_q8 round each group of 32 inputs to 8-bit values with a
-    float32 scale and compute the dot products with the 4-, 6- or 8-bit values (all of -128 to
-    127 among them) in integers, exactly: the reference multiplies the weights the blocks stand
-    for by the inputs so rounded, in float64. An all-zero group (scale 0) is among them."""
+    """q4_1_q8, q8_0_q8, q5_0_q8, q4_k_q8 and q6_k_q8 round each group of 32 inputs to 8-bit values
+    with a float32 scale and compute the dot products with the 4-, 5-, 6- or 8-bit values (all of
+    -128 to 127 among them) in integers, exactly: the reference multiplies the weights the blocks
+    stand for by the inputs so rounded, in float64. An all-zero group (scale 0) is among them."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
     packed, _, weight = _packed_weights(out_features, in_features, weight_dtype, generator)
@@ -664,8 +671,8 @@ from pagedserve.model.kernels import _cflags, cpu_kernels_available
 assert cpu_kernels_available()
 generator = torch.Generator().manual_seed(0)
 rows = []
-for weight_dtype, inputs in (("q4_1_q8", 576), ("q8_0_q8", 576), ("bfloat16_bf16", 576),
-                              ("q4_k_q8", 512), ("q6_k_q8", 512)):
+for weight_dtype, inputs in (("q4_1_q8", 576), ("q8_0_q8", 576), ("q5_0_q8", 576),
+                              ("bfloat16_bf16", 576), ("q4_k_q8", 512), ("q6_k_q8", 512)):
     packed, _, _ = _packed_weights(200, inputs, weight_dtype, generator)
     x = torch.randn(9, inputs, generator=generator)
     rows += [torch.ops.pagedserve.packed_linear(x[:n], packed, 200, None)[0] for n in (1, 4, 9)]
@@ -677,8 +684,8 @@ def test_products_give_the_same_bits_with_and_without_avx512_vnni_and_bf16(tmp_p
     """The integer dot products are exact, so the build for this CPU (with AVX-512 VNNI's
     vpdpbusd where it has it) and an AVX2 build (vpmaddubsw, vpmaddwd; ATEN_CPU_CAPABILITY=avx2
     builds the kernels as for an AVX2-only CPU) compute the same bits, for q4_1_q8, q8_0_q8,
-    q4_k_q8 and q6_k_q8; bfloat16_bf16's AVX2 path makes AVX-512 BF16's vdpbf16ps steps in the
-    same order, so it too gives the same bits."""
+    q5_0_q8, q4_k_q8 and q6_k_q8; bfloat16_bf16's AVX2 path makes AVX-512 BF16's vdpbf16ps steps
+    in the same order, so it too gives the same bits."""
     results = {}
     for name, capability in (("host", None), ("avx2", "avx2")):
         out = tmp_path / f"{name}.pt"

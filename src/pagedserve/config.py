@@ -30,6 +30,7 @@ PACKED_WEIGHT_DTYPES = (
     "q6_k",
     "q4_k_q8",
     "q6_k_q8",
+    "q5_0_q8",
 )
 # auto: shm on x86-64 (its stores are seen in order, which the shared-memory all-reduce relies
 # on), else gloo.

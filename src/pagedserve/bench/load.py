@@ -312,8 +312,7 @@ def run_load(out_dir: Path, work_dir: Path, sizes: list[str], threads: int) -> P
         rows = runs.setdefault(size, [])
         _read_through(q4_k_m)
         first = measure("ours, Q4_K_M, first start", _OURS, q4_k_m, cache, threads)
-        # q4_k_q8: the Q4_K and Q6_K maps in integers against 8-bit inputs, as llama.cpp computes
-        # them.
+        # q4_k_q8: the file's maps in integers against 8-bit inputs, as llama.cpp computes them.
         turns = [("ours, Q4_K_M, again", _OURS, "auto")]
         turns.append(("ours, Q4_K_M, again, --packed-weight-dtype q4_k_q8", _OURS, "q4_k_q8"))
         if llama_cpp_installed():
@@ -353,7 +352,7 @@ def run_load(out_dir: Path, work_dir: Path, sizes: list[str], threads: int) -> P
         "from the process's start, imports included, to its first token of a 32-token prompt "
         "(in brackets: against llama.cpp's fastest on the same file); decode: the 64 tokens after "
         "it (in brackets: against llama.cpp's). `--packed-weight-dtype q4_k_q8` computes the "
-        "Q4_K and Q6_K maps as llama.cpp does, against inputs rounded to 8 bits; our other rows "
+        "file's maps as llama.cpp does, against inputs rounded to 8 bits; our other rows "
         "compute the file's weights exactly, in float32. "
         f"Each holds a KV cache of {CONTEXT} tokens (ours: blocks of 16 float32 tokens). "
         f"Bound: the machine's measured memory bandwidth ({bandwidth:.1f} GB/s) over the weight "

@@ -44,9 +44,11 @@ FORMAT_HOLDS: dict[str, frozenset[str]] = {
     "q4_k": frozenset({"Q4_K"}),
     "q5_k": frozenset({"Q4_K", "Q5_K"}),
     "q6_k": frozenset({"Q4_K", "Q5_K", "Q6_K"}),
-    # In integers, against inputs rounded to 8 bits: q4_k's and q6_k's maps.
+    # In integers, against inputs rounded to 8 bits: q4_k's, q6_k's, q5_0's and q8_0's maps.
     "q4_k_q8": frozenset({"Q4_K"}),
     "q6_k_q8": frozenset({"Q4_K", "Q5_K", "Q6_K"}),
+    "q5_0_q8": frozenset({"Q4_0", "Q5_0"}),
+    "q8_0_q8": frozenset({"Q4_0", "Q5_0", "Q8_0"}),
 }
 BLOCK_TYPES = frozenset().union(*FORMAT_HOLDS.values())
 
@@ -246,15 +248,15 @@ def _pack_straight(format_name: str, parts: Sequence[GGUFPart]) -> torch.Tensor:
 def _pack(format_name: str, parts: Sequence[GGUFPart]) -> torch.Tensor:
     decoded = [_decode(part) for part in parts]
     op = getattr(torch.ops.pagedserve, f"pack_{format_name}")
-    if format_name in ("q4_1", "q5_0", "q5_1", "q8_0", "q8_min"):
+    if format_name in ("q4_1", "q5_0", "q5_0_q8", "q5_1", "q8_0", "q8_0_q8", "q8_min"):
         return op(*_group_inputs(format_name, decoded))
     return op(*_super_block_inputs(format_name, decoded))
 
 
 def _group_inputs(format_name: str, decoded: list[_GroupBlocks]) -> list[torch.Tensor]:
     scales = np.concatenate([blocks.d for blocks in decoded])
-    if format_name in ("q8_0", "q5_0"):  # weight = d * value, value + 16 for q5_0
-        shift, value_type = (0, np.int8) if format_name == "q8_0" else (16, np.uint8)
+    if format_name in ("q8_0", "q8_0_q8", "q5_0", "q5_0_q8"):  # d * value, value + 16 for q5_0
+        shift, value_type = (0, np.int8) if format_name.startswith("q8_0") else (16, np.uint8)
         values = np.concatenate([blocks.values + shift for blocks in decoded]).astype(value_type)
         return [torch.from_numpy(values), torch.from_numpy(scales)]
     if format_name == "q8_min":  # weight = d * value + m, the values as the types store them

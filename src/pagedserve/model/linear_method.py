@@ -9,10 +9,10 @@ output feature, or llama.cpp's blocks: Q4_1, Q5_0, Q5_1 or Q8_0 (4-, 5- or 8-bit
 of 32 inputs, each with a float16 scale, and for Q4_1 and Q5_1 a minimum), and the K-quants'
 super-blocks of 256 inputs (q4_k, q5_k, q6_k); Q5_0, Q5_1 and the K-quants only from a GGUF file's
 own blocks (gguf_blocks.py). The arithmetic is float32 in every case but q4_1_q8's, q8_0_q8's,
-q4_k_q8's and q6_k_q8's, whose Q4_1, Q8_0 and K-quant blocks are multiplied in integers against
-inputs rounded to 8 bits, as llama.cpp computes them (csrc/integer_linear.cpp), and
-bfloat16_bf16's, whose bfloat16 weights meet inputs rounded to bfloat16 (csrc/bf16_linear.cpp:
-AVX-512 BF16's vdpbf16ps).
+q4_k_q8's, q6_k_q8's and q5_0_q8's, whose Q4_1, Q8_0, K-quant and Q5_0 blocks are multiplied in
+integers against inputs rounded to 8 bits, as llama.cpp computes them (csrc/integer_linear.cpp),
+and bfloat16_bf16's, whose bfloat16 weights meet inputs rounded to bfloat16
+(csrc/bf16_linear.cpp: AVX-512 BF16's vdpbf16ps).
 
 choose_format is the policy: --packed-weight-dtype auto keeps each map's weights exactly, as
 the checkpoint stores them, in the fewest bytes, and computes with the inputs as they are.
@@ -172,7 +172,7 @@ PACKED_FORMATS: dict[str, PackedLinearMethod] = {
         PackedBfloat16Pairs("bfloat16_bf16", 2, rounds_inputs=True),
         PackedInt8("int8", 1),
         PackedBlocks("q8_0", 34 / 32, stores="Q8_0", holds=_HOLDS["q8_0"]),
-        PackedBlocks("q8_0_q8", 34 / 32, rounds_inputs=True),
+        PackedBlocks("q8_0_q8", 34 / 32, holds=_HOLDS["q8_0_q8"], rounds_inputs=True),
         PackedBlocks("q4_1", 20 / 32, stores="Q4_1", holds=_HOLDS["q4_1"], logits="q8_0"),
         PackedBlocks("q4_1_q8", 20 / 32, logits="q8_0_q8", rounds_inputs=True),
         GGUFBlocks("q5_0", 22 / 32, holds=_HOLDS["q5_0"], logits="q8_0"),
@@ -181,14 +181,18 @@ PACKED_FORMATS: dict[str, PackedLinearMethod] = {
         GGUFBlocks("q4_k", 148 / 256, holds=_HOLDS["q4_k"], logits="q8_0"),
         GGUFBlocks("q5_k", 180 / 256, holds=_HOLDS["q5_k"], logits="q8_0"),
         GGUFBlocks("q6_k", 292 / 256, holds=_HOLDS["q6_k"], logits="q8_0"),
-        # A K-quant file's q4_k and q6_k maps in integers (the others as auto packs them).
+        # A K-quant file's q4_k, q6_k, q5_0 and q8_0 maps in integers (q8_0_q8 above; the others
+        # as auto packs them).
         GGUFBlocks("q4_k_q8", 148 / 256, holds=_HOLDS["q4_k_q8"], rounds_inputs=True),
-        GGUFBlocks("q6_k_q8", 292 / 256, holds=_HOLDS["q6_k_q8"], rounds_inputs=True),
+        GGUFBlocks("q6_k_q8", 228 / 256, holds=_HOLDS["q6_k_q8"], rounds_inputs=True),
+        GGUFBlocks("q5_0_q8", 22 / 32, holds=_HOLDS["q5_0_q8"], rounds_inputs=True),
     )
 }
 # The packed weight dtypes that take some maps in integers, the others being packed as auto packs
 # them: for each, the formats auto keeps such maps in and the integer formats that replace them.
-INTEGER_OF = {"q4_k_q8": {"q4_k": "q4_k_q8", "q6_k": "q6_k_q8"}}
+INTEGER_OF = {
+    "q4_k_q8": {"q4_k": "q4_k_q8", "q6_k": "q6_k_q8", "q5_0": "q5_0_q8", "q8_0": "q8_0_q8"}
+}
 
 
 class PackedFormats(NamedTuple):
@@ -205,8 +209,8 @@ def choose_format(name: str, types: Set[str], logits: bool, from_blocks: bool) -
     of parts in both, {"BF16"}); from_blocks: whether the GGUF file's own blocks are at hand.
     auto picks the format that holds those weights exactly in the fewest bytes: from the blocks
     (a format holds the GGUF types in its holds), or from the weights as loaded (it holds the
-    one type it stores); float32 holds any. q4_k_q8 packs as auto, but the maps auto keeps as q4_k
-    or q6_k as q4_k_q8 or q6_k_q8."""
+    one type it stores); float32 holds any. q4_k_q8 packs as auto, but the maps auto keeps as q4_k,
+    q6_k, q5_0 or q8_0 as q4_k_q8, q6_k_q8, q5_0_q8 or q8_0_q8: a K-quant file in integers."""
     if name in INTEGER_OF:
         chosen = choose_format("auto", types, logits, from_blocks)
         return INTEGER_OF[name].get(chosen, chosen)

@@ -15,6 +15,9 @@
 // one at a time, or, with VNNI, stored offset by 128 (unsigned) and the offset's share,
 // 128 * (sum of q over g), taken off the int32 sum. Both give the exact integer dot product.
 //
+// Q5_0's values (pack_q5_0_q8, weight = scale * (value - 16), value 0-31) meet the inputs as
+// Q8_0's offset ones do: the int32 sum less 16 * (sum of q over g).
+//
 // So the product is that of the dequantized weights (scale * value, + minimum for Q4_1) with the
 // dequantized inputs (d * q). Each output is, per feature f and in this order for every tile
 // shape and batch size, so that a row's outputs do not depend on its batch:
@@ -98,6 +101,11 @@ struct Q8_0 {
   static constexpr int64_t kGroupsPerBlock = 1;
   static constexpr bool kPrefetch = false;
 };
+struct Q5_0 {  // the values' low four bits as Q4_1's, then a vector of their fifth bits
+  static constexpr int64_t kHeaderBytes = kFeatures * sizeof(at::Half), kVectors = 5;
+  static constexpr int64_t kGroupsPerBlock = 1;
+  static constexpr bool kPrefetch = true;
+};
 struct Q4_K {
   static constexpr int64_t kGroupsPerBlock = 8, kVectors = 4;
   static constexpr int64_t kHeaderBytes = 2 * kFeatures * sizeof(at::Half) + 2 * 8 * kFeatures;
@@ -138,9 +146,12 @@ byte_t* values_of(byte_t* strip, int64_t g, int64_t p) {
            kStrip * kHeaderBytes<Format> + (within * kStrip + p) * 32 * Format::kVectors;
   }
 }
-static_assert(kBlockBytes<Q4_1> != kBlockBytes<Q8_0> && kBlockBytes<Q4_K> != kBlockBytes<Q4_1> &&
-              kBlockBytes<Q4_K> != kBlockBytes<Q8_0> && kBlockBytes<Q6_K> != kBlockBytes<Q4_1> &&
-              kBlockBytes<Q6_K> != kBlockBytes<Q8_0> && kBlockBytes<Q6_K> != kBlockBytes<Q4_K>);
+// Each format is told from its blocks' size.
+template <class Format, class... Others>
+constexpr bool kSizeOfItsOwn = ((kBlockBytes<Format> != kBlockBytes<Others>) && ...);
+static_assert(kSizeOfItsOwn<Q4_1, Q8_0, Q5_0, Q4_K, Q6_K> &&
+              kSizeOfItsOwn<Q8_0, Q5_0, Q4_K, Q6_K> && kSizeOfItsOwn<Q5_0, Q4_K, Q6_K> &&
+              kSizeOfItsOwn<Q4_K, Q6_K>);
 
 #ifdef PAGEDSERVE_HAS_AVX2
 
@@ -338,16 +349,39 @@ template <int64_t rows, int64_t panels>
   }
 }
 
-// Q6_K: the int32 dot products of each half of a row's group with each panel's values (vectors
-// 0-3: the first half's inputs, 4-7: the second's), one chain of sums a half. Vector v's values
-// are its four low bits (a nibble of stored vector v % 4) and its two high bits (bits 2 * (v % 4)
-// and up of stored vector 4 + v / 4, shifted to bits 4 and 5); the 16-bit shifts carry bits
-// across bytes only into bits the masks clear.
-template <int64_t rows, int64_t panels>
+// Vector v (0-7) of a group's values (inputs 4 * v to 4 * v + 3 for each feature) from a block's
+// stored vectors: their low four bits in Q4_1's nibbles (vector v % 4, the low half for v < 4),
+// then their `width` high bits, 8 / width values a byte: vector 4 + v / (8 / width), from bit
+// width * (v % (8 / width)), shifted to bit 4. The 16-bit shifts carry bits across bytes only
+// into bits the masks clear.
+template <int64_t width>
+[[gnu::always_inline]] inline __m256i wide_values(const uint8_t* stored, int64_t v) {
+  const auto vector = [&](int64_t i) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stored + 32 * i));
+  };
+  constexpr int64_t per_byte = 8 / width;
+  const __m256i nibbles = v < 4 ? vector(v) : _mm256_srli_epi16(vector(v - 4), 4);
+  const __m256i high_bytes = vector(4 + v / per_byte);
+  const int64_t shift = 4 - width * (v % per_byte);  // to the left
+  const __m256i high = shift > 0   ? _mm256_slli_epi16(high_bytes, shift)
+                       : shift < 0 ? _mm256_srli_epi16(high_bytes, -shift)
+                                   : high_bytes;
+  const __m256i low_bits = _mm256_set1_epi8(15);
+  const __m256i high_bits = _mm256_and_si256(high, _mm256_set1_epi8(((1 << width) - 1) << 4));
+#ifdef __AVX512VL__  // A & C | B: A the nibbles, B the high bits, C low_bits
+  return _mm256_ternarylogic_epi32(nibbles, high_bits, low_bits, (0xF0 & 0xAA) | 0xCC);
+#else
+  return _mm256_or_si256(_mm256_and_si256(nibbles, low_bits), high_bits);
+#endif
+}
+
+// Q5_0 and Q6_K: the int32 dot products of each half of a row's group with each panel's values
+// of 4 + `width` bits (vectors 0-3: the first half's inputs, 4-7: the second's), one chain of
+// sums a half.
+template <int64_t width, int64_t rows, int64_t panels>
 [[gnu::always_inline]] inline void half_dots(const uint8_t* const (&values)[panels],
                                              const int8_t* const (&inputs)[rows],
                                              __m256i (&halves)[2][rows][panels]) {
-  const __m256i low_bits = _mm256_set1_epi8(15), high_bits = _mm256_set1_epi8(0x30);
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t p = 0; p < panels; ++p) halves[0][m][p] = halves[1][m][p] = _mm256_setzero_si256();
   }
@@ -357,23 +391,7 @@ template <int64_t rows, int64_t panels>
     broadcast_four<rows>(inputs, 4 * v, four_inputs);
 #pragma GCC unroll 4
     for (int64_t p = 0; p < panels; ++p) {
-      const auto stored = [&](int64_t i) {
-        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[p] + 32 * i));
-      };
-      const __m256i nibbles = v < 4 ? stored(v) : _mm256_srli_epi16(stored(v - 4), 4);
-      const __m256i pairs = stored(4 + v / 4);
-      const int64_t k = v % 4;
-      const __m256i high = k == 0   ? _mm256_slli_epi16(pairs, 4)
-                           : k == 1 ? _mm256_slli_epi16(pairs, 2)
-                           : k == 2 ? pairs
-                                    : _mm256_srli_epi16(pairs, 2);
-#ifdef __AVX512VL__  // A & C | B, A = nibbles, B = the high bits, C = low_bits
-      const __m256i bytes = _mm256_ternarylogic_epi32(
-          nibbles, _mm256_and_si256(high, high_bits), low_bits, (0xF0 & 0xAA) | 0xCC);
-#else
-      const __m256i bytes = _mm256_or_si256(_mm256_and_si256(nibbles, low_bits),
-                                            _mm256_and_si256(high, high_bits));
-#endif
+      const __m256i bytes = wide_values<width>(values[p], v);
 #pragma GCC unroll 4
       for (int64_t m = 0; m < rows; ++m) {
         __m256i& sum = halves[v / 4][m][p];
@@ -384,6 +402,21 @@ template <int64_t rows, int64_t panels>
                                                       _mm256_set1_epi16(1)));
 #endif
       }
+    }
+  }
+}
+
+template <int64_t rows, int64_t panels>
+[[gnu::always_inline]] inline void group_dots(Q5_0, const uint8_t* const (&values)[panels],
+                                              const int8_t* const (&inputs)[rows],
+                                              const int32_t* const (&totals)[rows],
+                                              __m256i (&dots)[rows][panels]) {
+  __m256i halves[2][rows][panels];
+  half_dots<1, rows, panels>(values, inputs, halves);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t p = 0; p < panels; ++p) {
+      dots[m][p] = _mm256_sub_epi32(_mm256_add_epi32(halves[0][m][p], halves[1][m][p]),
+                                    _mm256_set1_epi32(16 * *totals[m]));
     }
   }
 }
@@ -434,7 +467,7 @@ template <class Format, int64_t rows, int64_t panels>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t first_row, const uint8_t* strip,
                             int64_t first, int64_t num_groups, const float* bias, float* out,
                             int64_t out_stride, int64_t cols) {
-  constexpr bool with_minima = !std::is_same_v<Format, Q8_0>;
+  constexpr bool with_minima = !std::is_same_v<Format, Q8_0> && !std::is_same_v<Format, Q5_0>;
   __m256 dots[rows][panels], minima[rows][panels];
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t p = 0; p < panels; ++p) dots[m][p] = minima[m][p] = _mm256_setzero_ps();
@@ -468,7 +501,7 @@ template <class Format, int64_t rows, int64_t panels>
     }
     if constexpr (std::is_same_v<Format, Q6_K>) {
       __m256i halves[2][rows][panels];
-      half_dots<rows, panels>(values, inputs, halves);
+      half_dots<2, rows, panels>(values, inputs, halves);
 #pragma GCC unroll 4
       for (int64_t p = 0; p < panels; ++p) {
         // The halves' sc (and m): int8 for the eight features, half-groups 2 * within and 2 *
@@ -585,6 +618,7 @@ void check_avx2(const char* op) {
 const char* packer_name(const at::Tensor& packed) {
   if (packed.size(3) == kBlockBytes<Q8_0>) return "pack_q8_0_q8";
   if (packed.size(3) == kBlockBytes<Q6_K>) return "pack_q6_k_q8";
+  if (packed.size(3) == kBlockBytes<Q5_0>) return "pack_q5_0_q8";
   return packed.size(3) == kBlockBytes<Q4_K> ? "pack_q4_k_q8" : "pack_q4_1_q8";
 }
 
@@ -625,13 +659,13 @@ at::Tensor strip_blocks(at::TensorList header_parts, const at::Tensor& value_byt
 }
 
 
-// A super-block format's values [out][in], padded to whole strips, as
-// [strip][panel][feature][block][group][half][k][input]: input 16 * half + 4 * k + input of the
-// group.
-at::Tensor in_groups(const at::Tensor& values) {
+// A format's values [out][in], padded to whole strips, as
+// [strip][panel][feature][block][group][half][k][input] (input 16 * half + 4 * k + input of the
+// group), `groups` groups a block.
+at::Tensor in_groups(const at::Tensor& values, int64_t groups) {
   const int64_t strips = (values.size(0) + kStripFeatures - 1) / kStripFeatures;
   return padded_to_strips(values).view(
-      {strips, kStrip, kFeatures, values.size(1) / 256, 8, 2, 4, 4});
+      {strips, kStrip, kFeatures, values.size(1) / (kGroup * groups), groups, 2, 4, 4});
 }
 
 // Their low four bits as Q4_1's, [strip][block][group][panel][k][feature][input]: a group's
@@ -639,6 +673,32 @@ at::Tensor in_groups(const at::Tensor& values) {
 at::Tensor low_nibbles(const at::Tensor& grouped) {
   const at::Tensor split = grouped.permute({0, 3, 4, 1, 6, 2, 7, 5}).bitwise_and(15);
   return split.select(7, 0).bitwise_or(split.select(7, 1).mul(16));
+}
+
+// Their bits from the fifth up, `width` of them, as wide_values reads them:
+// [strip][block][group][panel][vector][feature][input], vector j holding vectors
+// j * (8 / width) + i of the values from bit width * i.
+at::Tensor high_bits(const at::Tensor& grouped, int64_t width) {
+  const int64_t per_byte = 8 / width;
+  // -> [strip][block][group][panel][vector][i][feature][input]
+  const at::Tensor high = grouped.permute({0, 3, 4, 1, 5, 6, 2, 7})
+                              .bitwise_right_shift(4)
+                              .reshape({grouped.size(0), grouped.size(3), grouped.size(4), kStrip,
+                                        width, per_byte, kFeatures, 4});
+  at::Tensor bytes = at::zeros_like(high.select(5, 0));
+  for (int64_t i = 0; i < per_byte; ++i) {
+    bytes.bitwise_or_(high.select(5, i).bitwise_left_shift(width * i));
+  }
+  return bytes;
+}
+
+// Values of 4 + width bits from grouped ones: each group's low nibbles, then its high bits,
+// [strip][block][group][panel][bytes].
+at::Tensor wide_value_bytes(const at::Tensor& grouped, int64_t width) {
+  const std::vector<int64_t> vectors{grouped.size(0), grouped.size(3), grouped.size(4), kStrip,
+                                     -1, 32};
+  return at::cat(
+      {low_nibbles(grouped).reshape(vectors), high_bits(grouped, width).reshape(vectors)}, 4);
 }
 
 // A super-block format's blocks [strips][blocks][kStrip][block bytes] from its header parts
@@ -762,14 +822,7 @@ at::Tensor pack_q4_1_q8(const at::Tensor& values, const at::Tensor& scales,
                         const at::Tensor& minima) {
   check_avx2("pack_q4_1_q8");
   check_q4_1_inputs("pack_q4_1_q8", values, scales, minima);
-  const int64_t strips = (values.size(0) + kStripFeatures - 1) / kStripFeatures;
-  const int64_t groups = values.size(1) / kGroup;
-  // [strip][panel][feature][group][half][vector][input]
-  //   -> [strip][group][panel][vector][feature][input][half]
-  const at::Tensor split = padded_to_strips(values)
-                               .view({strips, kStrip, kFeatures, groups, 2, Q4_1::kVectors, 4})
-                               .permute({0, 3, 1, 5, 2, 6, 4});
-  return strip_blocks({scales, minima}, split.select(6, 0).bitwise_or(split.select(6, 1).mul(16)));
+  return strip_blocks({scales, minima}, low_nibbles(in_groups(values, 1)));
 }
 
 // values: [out, in] int8; scales: [out, in / 32] float16 (weight = scale * value), as
@@ -795,7 +848,7 @@ at::Tensor pack_q4_k_q8(const at::Tensor& values, const at::Tensor& d, const at:
                         const at::Tensor& sc, const at::Tensor& m) {
   check_avx2("pack_q4_k_q8");
   check_q4_k_inputs("pack_q4_k_q8", values, d, dmin, sc, m);
-  return super_blocks<Q4_K>({d, dmin, sc, m}, low_nibbles(in_groups(values)));
+  return super_blocks<Q4_K>({d, dmin, sc, m}, low_nibbles(in_groups(values, 8)));
 }
 
 // values: [out, in] uint8, 0-63; d and dmin: [out, in / 256] float16; sc and m: [out, in / 256,
@@ -806,15 +859,18 @@ at::Tensor pack_q6_k_q8(const at::Tensor& values, const at::Tensor& d, const at:
                         const at::Tensor& sc, const at::Tensor& m) {
   check_avx2("pack_q6_k_q8");
   check_q6_k_inputs("pack_q6_k_q8", values, d, dmin, sc, m);
-  const at::Tensor grouped = in_groups(values);
-  // -> [strip][block][group][panel][half][feature][input][k]
-  const at::Tensor high = grouped.permute({0, 3, 4, 1, 5, 2, 7, 6}).bitwise_right_shift(4);
-  at::Tensor pairs = at::zeros_like(high.select(7, 0));
-  for (int64_t k = 0; k < 4; ++k) pairs.bitwise_or_(high.select(7, k).bitwise_left_shift(2 * k));
-  const at::Tensor nibbles = low_nibbles(grouped);
-  const std::vector<int64_t> vectors{nibbles.size(0), nibbles.size(1), 8, kStrip, -1, 32};
-  return super_blocks<Q6_K>({d, dmin, sc, m},
-                            at::cat({nibbles.reshape(vectors), pairs.reshape(vectors)}, 4));
+  return super_blocks<Q6_K>({d, dmin, sc, m}, wide_value_bytes(in_groups(values, 8), 2));
+}
+
+// values: [out, in] uint8, 0-31; scales: [out, in / 32] float16 (weight = scale * (value - 16)),
+// as pack_q5_0 takes them. Returns uint8 blocks as pack_q8_0_q8 does, each a panel's scales and
+// its values' low bits as Q4_1's, then their fifth bits.
+at::Tensor pack_q5_0_q8(const at::Tensor& values, const at::Tensor& scales) {
+  check_avx2("pack_q5_0_q8");
+  check_block_inputs("pack_q5_0_q8", values, at::kByte, {scales});
+  TORCH_CHECK(values.numel() == 0 || values.max().item<uint8_t>() < 32,
+              "pack_q5_0_q8: values must be 0-31");
+  return strip_blocks({scales}, wide_value_bytes(in_groups(values, 1), 1));
 }
 
 at::Tensor pack_q4_k_q8_rows(at::TensorList parts,
@@ -834,7 +890,8 @@ bool is_integer_blocks(const at::Tensor& packed_weight) {
   }
   const int64_t block_bytes = packed_weight.size(3);
   return block_bytes == kBlockBytes<Q4_1> || block_bytes == kBlockBytes<Q8_0> ||
-         block_bytes == kBlockBytes<Q4_K> || block_bytes == kBlockBytes<Q6_K>;
+         block_bytes == kBlockBytes<Q5_0> || block_bytes == kBlockBytes<Q4_K> ||
+         block_bytes == kBlockBytes<Q6_K>;
 }
 
 int64_t integer_block_inputs(const at::Tensor& packed_weight) {
@@ -855,6 +912,9 @@ at::Tensor integer_linear(const at::Tensor& input, const at::Tensor& packed_weig
   }
   if (packed_weight.size(3) == kBlockBytes<Q6_K>) {
     return product<Q6_K>(input.contiguous(), packed_weight, out_features, bias);
+  }
+  if (packed_weight.size(3) == kBlockBytes<Q5_0>) {
+    return product<Q5_0>(input.contiguous(), packed_weight, out_features, bias);
   }
   return product<Q4_1>(input.contiguous(), packed_weight, out_features, bias);
 #else

@@ -72,9 +72,9 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
                          int64_t out_features, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scale);
 
-// integer_linear.cpp: packed_linear's product for pack_q4_1_q8, pack_q8_0_q8, pack_q4_k_q8 and
-// pack_q6_k_q8 results (its input, scale and bias checked by packed_linear; bias nullptr or
-// out_features floats)
+// integer_linear.cpp: packed_linear's product for pack_q4_1_q8, pack_q8_0_q8, pack_q5_0_q8,
+// pack_q4_k_q8 and pack_q6_k_q8 results (its input, scale and bias checked by packed_linear;
+// bias nullptr or out_features floats)
 at::Tensor pack_q4_1_q8(const at::Tensor& values, const at::Tensor& scales,
                         const at::Tensor& minima);
 at::Tensor pack_q8_0_q8(const at::Tensor& values, const at::Tensor& scales);
@@ -84,6 +84,8 @@ at::Tensor pack_q4_k_q8(const at::Tensor& values, const at::Tensor& d, const at:
 // each group of 16).
 at::Tensor pack_q6_k_q8(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                         const at::Tensor& sc, const at::Tensor& m);
+// values 0-31 and float16 scales as pack_q5_0 takes them (weight = scale * (value - 16)).
+at::Tensor pack_q5_0_q8(const at::Tensor& values, const at::Tensor& scales);
 // pack_q4_k_q8's or pack_q6_k_q8's blocks straight from a GGUF file's rows ([out][blocks * block
 // bytes] uint8), part after part, part i's blocks of readers[i].first bytes read by
 // readers[i].second.

@@ -21,6 +21,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("pack_q8_0_q8(Tensor values, Tensor scales) -> Tensor");
   m.def("pack_q4_k_q8(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
   m.def("pack_q6_k_q8(Tensor values, Tensor d, Tensor dmin, Tensor sc, Tensor m) -> Tensor");
+  m.def("pack_q5_0_q8(Tensor values, Tensor scales) -> Tensor");
   m.def("pack_bfloat16_bf16(Tensor weight) -> Tensor");
   m.def("pack_q5_0(Tensor values, Tensor scales) -> Tensor");
   m.def("pack_q8_min(Tensor values, Tensor scales, Tensor minima) -> Tensor");
@@ -56,6 +57,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("pack_q8_0_q8", &pagedserve::pack_q8_0_q8);
   m.impl("pack_q4_k_q8", &pagedserve::pack_q4_k_q8);
   m.impl("pack_q6_k_q8", &pagedserve::pack_q6_k_q8);
+  m.impl("pack_q5_0_q8", &pagedserve::pack_q5_0_q8);
   m.impl("pack_bfloat16_bf16", &pagedserve::pack_bfloat16_bf16);
   m.impl("pack_q5_0", &pagedserve::pack_q5_0);
   m.impl("pack_q8_min", &pagedserve::pack_q8_min);
