@@ -35,8 +35,8 @@ at::Tensor pack_q5_k(const at::Tensor& values, const at::Tensor& d, const at::Te
                      const at::Tensor& sc, const at::Tensor& m);
 at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                      const at::Tensor& sc, const at::Tensor& m);
-// pack_q4_k's or pack_q6_k's panels straight from a GGUF file's Q4_K or Q6_K rows, part after
-// part (a fused map's).
+// pack_q4_k's, pack_q6_k's, pack_q4_k_q8's or pack_q6_k_q8's panels straight from a GGUF file's
+// Q4_K or Q6_K rows, part after part (a fused map's).
 at::Tensor pack_k_quant_blocks(at::TensorList parts, const std::vector<std::string>& types,
                                c10::string_view format);
 int64_t packed_in_features(const at::Tensor& packed_weight);  // what its product takes
