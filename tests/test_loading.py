@@ -277,6 +277,11 @@ def _metadata_gguf(path, architecture: str, name: str = "tiny", tied: bool = Tru
     return path
 
 
+def _typed(settings: dict) -> dict:
+    """Each setting with its type: 1, 1.0 and True differ."""
+    return {key: (type(value), value) for key, value in settings.items()}
+
+
 @pytest.mark.parametrize(
     "architecture, name, tied",
     [
@@ -305,7 +310,8 @@ def test_a_gguf_files_config_and_tokenizer_are_those_transformers_builds(
 
     path = _metadata_gguf(tmp_path / f"{architecture}.gguf", architecture, name, tied)
     settings = gguf_config_dict(path)
-    assert settings == load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    reference = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    assert _typed(settings) == _typed(reference)
     ours = gguf_tokenizer(path, AutoConfig.for_model(**settings))
     auto = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     assert type(ours) is type(auto)
@@ -315,9 +321,12 @@ def test_a_gguf_files_config_and_tokenizer_are_those_transformers_builds(
     assert ours.all_special_ids == auto.all_special_ids
 
 
-def test_a_gguf_file_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
+@pytest.mark.parametrize("architecture", ["rwkv6", "falcon", "qwen35"])
+def test_a_gguf_file_of_an_architecture_pagedserve_does_not_run_is_named(architecture, tmp_path):
+    """Named before any metadata is written: one transformers cannot read (rwkv6), one whose
+    config it builds with steps of its own (falcon), one it reads with its fast reader (qwen35)."""
     from pagedserve.model.gguf_config import gguf_config_dict
 
-    path = _metadata_gguf(tmp_path / "rwkv.gguf", "rwkv6")
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'rwkv6'.*llama"):
+    path = _metadata_gguf(tmp_path / f"{architecture}.gguf", architecture)
+    with pytest.raises(ValueError, match=rf"unsupported GGUF architecture '{architecture}'.*llama"):
         gguf_config_dict(path)

@@ -21,32 +21,28 @@ _TEXT_MODEL_TYPE = {"gemma3": "gemma3_text"}
 
 
 def gguf_config_dict(gguf_path: Path) -> dict:
-    """The settings transformers' load_gguf_checkpoint(gguf_path)["config"] holds, for the
-    architectures without a fast config of transformers' own (GGUF_CONFIG_ARCHS)."""
+    """The settings transformers' load_gguf_checkpoint(gguf_path)["config"] holds, for a file of
+    an architecture pagedserve runs; a ValueError naming any other."""
     from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING
-    from transformers.integrations.gguf import (
-        GGUF_CONFIG_ARCHS,
-        get_gguf_config,
-        read_gguf_metadata,
-    )
+    from transformers.integrations.gguf import read_gguf_metadata
     from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+
+    from pagedserve.model.config import MODEL_TYPES
 
     metadata, tensor_names = read_gguf_metadata(str(gguf_path))
     architecture = metadata["general.architecture"]
-    if architecture in GGUF_CONFIG_ARCHS:
-        return get_gguf_config(metadata, tensor_names)
-    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
     # As transformers: a llama file named exactly "mistral" is Mistral.
     model_type = _MODEL_TYPE_OF.get(architecture, architecture)
     if architecture == "llama" and metadata.get("general.name") == "mistral":
         model_type = "mistral"
-    if architecture not in renames and model_type not in renames:
-        from pagedserve.model.config import MODEL_TYPES
-
+    # The steps below are load_gguf_checkpoint's for these architectures only (others have steps
+    # of their own there: gemma4's end-of-turn ids, falcon's tied embeddings, ...).
+    if _TEXT_MODEL_TYPE.get(model_type, model_type) not in MODEL_TYPES.values():
         raise ValueError(
             f"{gguf_path}: unsupported GGUF architecture {architecture!r}; pagedserve runs "
             f"{', '.join(sorted(set(MODEL_TYPES.values())))}"
         )
+    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
     config: dict = {"tie_word_embeddings": "output.weight" not in tensor_names}
     defaults = GGUF_CONFIG_DEFAULTS_MAPPING
     for key, value in (defaults.get(model_type, defaults.get(architecture)) or {}).items():
@@ -54,14 +50,15 @@ def gguf_config_dict(gguf_path: Path) -> dict:
     for key, value in metadata.items():
         prefix, _, setting = key.replace(architecture, model_type).partition(".")
         name = renames.get(prefix, {}).get(setting)
-        if name is None or name == -1:
+        if name is None:
             continue
-        if isinstance(value, list) and len(value) == 1:  # transformers reads one value as itself
+        if isinstance(value, list) and len(value) == 1:  # transformers unwraps a one-value array
             value = value[0]
         if isinstance(value, str):
             value = value.replace(architecture, model_type)
         config[name] = value
     config["model_type"] = _TEXT_MODEL_TYPE.get(config["model_type"], config["model_type"])
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in metadata:
-        config["vocab_size"] = metadata["tokenizer.ggml.tokens"]  # the reader counts, not reads
+        # read_gguf_metadata gives a string array's length, not its strings.
+        config["vocab_size"] = metadata["tokenizer.ggml.tokens"]
     return config

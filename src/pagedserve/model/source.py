@@ -198,14 +198,15 @@ def gguf_tokenizer(gguf_path: Path, config):
     """The tokenizer AutoTokenizer.from_pretrained(gguf_file=...) builds from the file's metadata
     (config: transformers' config of the file), in the class it picks for a folder holding the
     file alone: the config's tokenizer class where transformers maps one, else TokenizersBackend
-    (also for Mistral's own format, which a GGUF file does not carry). Picked here rather than by
-    AutoTokenizer, which builds the file's config again to pick it, reading every vocabulary
-    string through gguf's reader (seconds)."""
+    (also for Mistral's own format, which a GGUF file does not carry). A tokenizer_config.json
+    beside the file does not choose it: the file's metadata is the tokenizer. Picked here rather
+    than by AutoTokenizer, which builds the file's config again to pick it, reading every
+    vocabulary string through gguf's reader (seconds)."""
     from transformers import TokenizersBackend
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     chosen = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
-    if chosen is None or chosen.__name__ == "MistralCommonBackend":
+    if chosen.__name__ == "MistralCommonBackend":
         chosen = TokenizersBackend
     return chosen.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
