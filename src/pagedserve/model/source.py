@@ -189,8 +189,9 @@ def _write_gguf_metadata(gguf_path: Path, out_dir: Path):
     settings = config.to_dict()
     settings.pop("quantization_config", None)
     model_type = settings["model_type"]
-    architectures = [name for name, its_type in MODEL_TYPES.items() if its_type == model_type]
-    settings["architectures"] = architectures or [model_type]
+    settings["architectures"] = [
+        name for name, its_type in MODEL_TYPES.items() if its_type == model_type
+    ]
     (out_dir / "config.json").write_text(json.dumps(settings, indent=2))
     return config
 
@@ -445,9 +446,7 @@ def _record_tensor_types(
 ) -> None:
     """_TENSOR_TYPES_FILE: the types of the maps and the logits, where each tensor lies, its
     transformers name, the order transformers takes its rows in and the tokenizer's class
-    (config: transformers' config of the file)."""
-    from pagedserve.model.config import MODEL_TYPES
-
+    (config: transformers' config of the file, of an architecture pagedserve runs)."""
     types = {name: tensor.type for name, tensor in tensors.items()}
     recorded_tensors = {
         name: [tensor.type, tensor.offset, tensor.nbytes, list(tensor.shape)]
@@ -459,12 +458,7 @@ def _record_tensor_types(
         if name.startswith("blk.") and name.split(".")[2] in GGUF_LINEAR_MAPS
     }
     logits = types.get("output.weight", types["token_embd.weight"])
-    # Empty for an architecture pagedserve does not run (ModelConfig's error names it).
-    names = (
-        _transformers_names(architecture, config)
-        if config.model_type in MODEL_TYPES.values()
-        else {}
-    )
+    names = _transformers_names(architecture, config)
     # Written whole and then renamed: two processes starting on the same cache at once each
     # write a complete file.
     staging = out_dir / f".{_TENSOR_TYPES_FILE}.{os.getpid()}"
@@ -490,8 +484,8 @@ def _head_digest(path: Path) -> str:
     digest.update(f"{_METADATA_FORMAT} {versions}".encode())
     if size == 0:  # mmap refuses an empty file
         return digest.hexdigest()
-    # Hashed where the page cache holds it: read into a new bytes object first, the head takes
-    # twice as long (80 against 43 ms on a Zen 4 host), on every start.
+    # Hashed where the page cache holds it, on every start: read into a new bytes object first,
+    # the head would be copied once more before it is hashed.
     with (
         path.open("rb") as handle,
         mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as file,
