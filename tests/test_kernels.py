@@ -136,12 +136,13 @@ def test_decode_attention_rejects_mismatched_inputs():
         kernel(torch.zeros(1, 4, 8, dtype=torch.bfloat16), cache, cache, tables, lens, 1.0, 0)
 
 
-# The integer K-quant products' stored values: (values' bound, inputs a group, the bounds of sc
-# and m, their type): Q4_K's 4-bit values and 6-bit sc and m per 32; Q6_K's 6-bit values and
-# every int8 sc and m per 16.
+# The K-quant formats' stored values: (values' bound, inputs a group, the bounds of sc and m,
+# their type): Q4_K's 4-bit values and 6-bit sc and m per 32, and Q5_K's 5-bit ones; Q6_K's 6-bit
+# values and every int8 sc and m per 16.
 _K_QUANTS = {
     "q4_k_q8": (16, 32, (0, 64), torch.uint8),
     "q6_k_q8": (64, 16, (-128, 128), torch.int8),
+    "q5_k": (32, 32, (0, 64), torch.uint8),
 }
 
 
@@ -169,12 +170,21 @@ def _packed_weights(out_features, in_features, weight_dtype, generator):
             pack_blocks = getattr(pack, f"pack_{weight_dtype}")  # pack_q4_1 or pack_q4_1_q8
             packed = pack_blocks(values.to(torch.uint8), scales, minima)
         return packed, None, weight.view(out_features, in_features)
-    if weight_dtype == "q5_0_q8":  # d * (value - 16)
+    if weight_dtype in ("q5_0", "q5_0_q8"):  # d * (value - 16)
         values = torch.randint(0, 32, (out_features, in_features), generator=generator)
         groups = (out_features, in_features // 32)
         scales = (torch.rand(groups, generator=generator) / 16).half()
         weight = (values.double() - 16).view(*groups, 32) * scales.double()[..., None]
-        packed = pack.pack_q5_0_q8(values.to(torch.uint8), scales)
+        packed = getattr(pack, f"pack_{weight_dtype}")(values.to(torch.uint8), scales)
+        return packed, None, weight.view(out_features, in_features)
+    if weight_dtype == "q5_1":  # d * value + minimum
+        values = torch.randint(0, 32, (out_features, in_features), generator=generator)
+        groups = (out_features, in_features // 32)
+        scales = (torch.rand(groups, generator=generator) / 16).half()
+        minima = (torch.randn(groups, generator=generator) / 4).half()
+        weight = values.double().view(*groups, 32) * scales.double()[..., None]
+        weight += minima.double()[..., None]
+        packed = pack.pack_q5_1(values.to(torch.uint8), scales, minima)
         return packed, None, weight.view(out_features, in_features)
     if weight_dtype in _K_QUANTS:  # d * sc * value - dmin * m over each group
         top, group, header_bounds, header_type = _K_QUANTS[weight_dtype]
@@ -212,19 +222,22 @@ _ANY_SHAPES = [  # input features that are not whole groups of 32
     (7, 1, 3, False),
 ]
 _DTYPES = [torch.float32, torch.bfloat16, "int8"]
-_BLOCK_DTYPES = ["q4_1", "q8_0"]
+_BLOCK_DTYPES = ["q4_1", "q8_0", "q5_0", "q5_1"]
+# Q4_K's super-blocks take 256 inputs: the shapes above with whole super-blocks.
+_SUPER_BLOCK_SHAPES = [(rows, 256 * -(-k // 256), n, bias) for rows, k, n, bias in _SHAPES]
 
 
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features", "with_bias", "weight_dtype"),
     [(*shape, dtype) for shape in _SHAPES + _ANY_SHAPES for dtype in _DTYPES]
-    + [(*shape, dtype) for shape in _SHAPES for dtype in _BLOCK_DTYPES],
+    + [(*shape, dtype) for shape in _SHAPES for dtype in _BLOCK_DTYPES]
+    + [(*shape, "q5_k") for shape in _SUPER_BLOCK_SHAPES],
 )
 def test_packed_linear_matches_plain_product(
     rows, in_features, out_features, with_bias, weight_dtype
 ):
     """The arithmetic is float32 whatever the panels hold: the reference multiplies the weights
-    they stand for (bfloat16: rounded; int8: value times scale; Q4_1 and Q8_0: each group's
+    they stand for (bfloat16: rounded; int8: value times scale; the block formats: each group's
     scale times value, plus its minimum) in float64."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
@@ -239,8 +252,6 @@ def test_packed_linear_matches_plain_product(
 
 
 _INTEGER_DTYPES = ["q4_1_q8", "q8_0_q8", "q5_0_q8"]
-# Q4_K's super-blocks take 256 inputs: the shapes above with whole super-blocks.
-_SUPER_BLOCK_SHAPES = [(rows, 256 * -(-k // 256), n, bias) for rows, k, n, bias in _SHAPES]
 
 
 @pytest.mark.parametrize(
@@ -323,6 +334,39 @@ def test_bfloat16_pairs_reject_mismatched_inputs():
         linear(torch.zeros(2, 8), packed, 70, None)
     with pytest.raises(RuntimeError, match="bias must be float32 of 40 features"):
         linear(torch.zeros(2, 8), packed, 40, torch.zeros(39))
+
+
+def _five_bit_products(generator, in_features=576, out_features=200):
+    """Products by q5_0 and q5_1 panels (values as bit fields), each with the product by
+    q8_min panels of the same values, scales and minima (a byte a value; q5_0's minimum
+    -16 * scale), on 1, 4, 9 and 40 rows (tiles of each height, and panels widened once)."""
+    pack, linear = torch.ops.pagedserve, torch.ops.pagedserve.packed_linear
+    values = torch.randint(0, 32, (out_features, in_features), generator=generator)
+    groups = (out_features, in_features // 32)
+    scales = (torch.rand(groups, generator=generator) / 16).half()
+    minima = (torch.randn(groups, generator=generator) / 4).half()
+    pairs = [
+        (pack.pack_q5_0(values.to(torch.uint8), scales), (scales.float() * -16).half()),
+        (pack.pack_q5_1(values.to(torch.uint8), scales, minima), minima),
+    ]
+    x = torch.randn(40, in_features, generator=generator)
+    products = []
+    for fields, stored_minima in pairs:
+        as_bytes = pack.pack_q8_min(values.to(torch.int8), scales, stored_minima)
+        for rows in (1, 4, 9, 40):
+            products.append(
+                (linear(x[:rows], fields, out_features, None),
+                 linear(x[:rows], as_bytes, out_features, None))
+            )  # fmt: skip
+    return products
+
+
+def test_five_bit_fields_give_the_bits_of_bytes():
+    """q5_0's and q5_1's bit fields are read in place against inputs scaled by powers of two
+    (exact), so their products are the same bits as q8_min's, whose bytes hold the same values."""
+    assert cpu_kernels_available()
+    for fields, as_bytes in _five_bit_products(torch.Generator().manual_seed(0)):
+        assert torch.equal(fields, as_bytes)
 
 
 @pytest.mark.parametrize(
@@ -666,7 +710,7 @@ def test_a_second_checkout_with_the_same_sources_loads_the_same_build(tmp_path):
 _INTEGER_PRODUCTS = """
 import sys, torch
 sys.path.insert(0, {tests!r})
-from test_kernels import _packed_weights
+from test_kernels import _five_bit_products, _packed_weights
 from pagedserve.model.kernels import _cflags, cpu_kernels_available
 assert cpu_kernels_available()
 generator = torch.Generator().manual_seed(0)
@@ -676,7 +720,8 @@ for weight_dtype, inputs in (("q4_1_q8", 576), ("q8_0_q8", 576), ("q5_0_q8", 576
     packed, _, _ = _packed_weights(200, inputs, weight_dtype, generator)
     x = torch.randn(9, inputs, generator=generator)
     rows += [torch.ops.pagedserve.packed_linear(x[:n], packed, 200, None)[0] for n in (1, 4, 9)]
-torch.save({{"rows": rows, "flags": _cflags()}}, {out!r})
+fields = _five_bit_products(generator)
+torch.save({{"rows": rows, "fields": fields, "flags": _cflags()}}, {out!r})
 """
 
 
@@ -685,7 +730,8 @@ def test_products_give_the_same_bits_with_and_without_avx512_vnni_and_bf16(tmp_p
     vpdpbusd where it has it) and an AVX2 build (vpmaddubsw, vpmaddwd; ATEN_CPU_CAPABILITY=avx2
     builds the kernels as for an AVX2-only CPU) compute the same bits, for q4_1_q8, q8_0_q8,
     q5_0_q8, q4_k_q8 and q6_k_q8; bfloat16_bf16's AVX2 path makes AVX-512 BF16's vdpbf16ps steps
-    in the same order, so it too gives the same bits."""
+    in the same order, so it too gives the same bits. Each build's five-bit fields give the bits
+    of its bytes (test_five_bit_fields_give_the_bits_of_bytes), the AVX2 build's included."""
     results = {}
     for name, capability in (("host", None), ("avx2", "avx2")):
         out = tmp_path / f"{name}.pt"
@@ -702,3 +748,6 @@ def test_products_give_the_same_bits_with_and_without_avx512_vnni_and_bf16(tmp_p
     assert "-mavx512vnni" not in avx2["flags"] and "-mavx512bf16" not in avx2["flags"]
     for ours, theirs in zip(host["rows"], avx2["rows"], strict=True):
         assert torch.equal(ours, theirs)
+    for build in (host, avx2):
+        for fields, as_bytes in build["fields"]:
+            assert torch.equal(fields, as_bytes)

@@ -153,11 +153,12 @@ Vec to_float(__m256i values) { return Vec(_mm256_cvtepi32_ps(values)); }
 
 // How a panel row holds its values. Nibbles: feature i in the low half of byte i, feature
 // i + Vec::size() in the high half, so that one widened load gives both of the row's vectors.
-// FiveBits: those nibbles, then a bit a feature (feature i in bit i % 8 of byte i / 8) for 16.
+// FiveBits: bit fields in 32-bit words, below.
 // UnsignedBytes and SignedBytes: a byte a feature.
 struct Nibbles {
   static constexpr int64_t kRowBytes = kPanel / 2;
-  static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
+  static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
+    const uint8_t* row = values + index * kRowBytes;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     const auto [low, high] = nibbles_of(row);
     return {to_float(low), to_float(high)};
@@ -168,63 +169,141 @@ struct Nibbles {
 #endif
   }
 };
-#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
-// For each byte, 8 lanes holding 16 where the byte's bit of that lane is set: AVX2 has no mask
-// registers, and one load from this 8 KiB table (kept in L1 by the loop that reads it) replaces a
-// broadcast, a test and a select a vector.
-struct FifthBitTable {
-  alignas(32) int32_t lanes[256][8];
-  constexpr FifthBitTable() : lanes() {
-    for (int byte = 0; byte < 256; ++byte) {
-      for (int lane = 0; lane < 8; ++lane) lanes[byte][lane] = (byte >> lane & 1) << 4;
-    }
-  }
-  __m256i of(uint8_t byte) const {
-    return _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[byte]));
-  }
+// 32-bit words of a vector's lanes, for values packed as bit fields.
+#if defined(CPU_CAPABILITY_AVX512)
+using Words = __m512i;
+Words load_words(const uint8_t* bytes) { return _mm512_loadu_si512(bytes); }
+Words and_words(Words words, int32_t mask) {
+  return _mm512_and_si512(words, _mm512_set1_epi32(mask));
+}
+template <int shift>
+Words shift_down(Words words) { return _mm512_srli_epi32(words, shift); }
+Words shift_down(Words words, int shift) {
+  return _mm512_srl_epi32(words, _mm_cvtsi32_si128(shift));
+}
+Words shift_up(Words words, int shift) {
+  return _mm512_sll_epi32(words, _mm_cvtsi32_si128(shift));
+}
+Words or_words(Words a, Words b) { return _mm512_or_si512(a, b); }
+#elif defined(CPU_CAPABILITY_AVX2)
+using Words = __m256i;
+Words load_words(const uint8_t* bytes) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+}
+Words and_words(Words words, int32_t mask) {
+  return _mm256_and_si256(words, _mm256_set1_epi32(mask));
+}
+template <int shift>
+Words shift_down(Words words) { return _mm256_srli_epi32(words, shift); }
+Words shift_down(Words words, int shift) {
+  return _mm256_srl_epi32(words, _mm_cvtsi32_si128(shift));
+}
+Words shift_up(Words words, int shift) {
+  return _mm256_sll_epi32(words, _mm_cvtsi32_si128(shift));
+}
+Words or_words(Words a, Words b) { return _mm256_or_si256(a, b); }
+#else
+struct Words {
+  uint32_t lanes[Vec::size()];
 };
-inline constexpr FifthBitTable kFifthBits{};
+Words load_words(const uint8_t* bytes) {
+  Words words;
+  std::memcpy(words.lanes, bytes, sizeof(words.lanes));
+  return words;
+}
+template <typename F>
+Words each_word(Words words, F f) {
+  for (uint32_t& lane : words.lanes) lane = f(lane);
+  return words;
+}
+Words and_words(Words words, int32_t mask) {
+  return each_word(words, [&](uint32_t lane) { return lane & static_cast<uint32_t>(mask); });
+}
+template <int shift>
+Words shift_down(Words words) { return each_word(words, [](uint32_t lane) { return lane >> shift; }); }
+Words shift_down(Words words, int shift) {
+  return each_word(words, [&](uint32_t lane) { return lane >> shift; });
+}
+Words shift_up(Words words, int shift) {
+  return each_word(words, [&](uint32_t lane) { return lane << shift; });
+}
+Words or_words(Words a, Words b) {
+  for (int64_t i = 0; i < Vec::size(); ++i) a.lanes[i] |= b.lanes[i];
+  return a;
+}
+Vec to_float(Words words) {
+  float values[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) values[i] = static_cast<float>(words.lanes[i]);
+  return Vec::loadu(values);
+}
 #endif
+
+// FiveBits: a group's 32 rows as 160 bits a feature, row r's value in bits 5r to 5r + 4, held
+// in five 32-bit words stored [word][half][Vec::size()] (so a half's word is one vector load). A
+// tile reads row r in place: the word masked to its field and converted is value * 2^shift
+// (shift = 5r % 32), multiplied by an input pre-scaled by 2^-shift, which gives the product
+// x * value exactly, so the arithmetic is that of the value itself: one mask and one conversion a
+// vector, where splicing a fifth bit onto a nibble takes two more instructions. The field that
+// ends the word (shift 27) is shifted down instead, and the four that cross into the next word
+// (rows 6, 12, 19 and 25) are joined from their two parts, exactly, against the input itself.
+// Inputs are scaled by at most 2^-26, exactly unless below 2^-100 in magnitude.
 struct FiveBits {
   static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 8;
-  static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
-    const uint8_t* bits = row + kPanel / 2;
-#if defined(CPU_CAPABILITY_AVX512)
-    auto [low, high] = nibbles_of(row);
-    uint32_t mask;
-    std::memcpy(&mask, bits, sizeof(mask));
-    const __m512i sixteen = _mm512_set1_epi32(16);
-    low = _mm512_mask_or_epi32(low, static_cast<__mmask16>(mask), low, sixteen);
-    high = _mm512_mask_or_epi32(high, static_cast<__mmask16>(mask >> 16), high, sixteen);
-    return {to_float(low), to_float(high)};
-#elif defined(CPU_CAPABILITY_AVX2)
-    auto [low, high] = nibbles_of(row);
-    return {to_float(_mm256_or_si256(low, kFifthBits.of(bits[0]))),
-            to_float(_mm256_or_si256(high, kFifthBits.of(bits[1])))};
-#else
-    float low[Vec::size()], high[Vec::size()];
-    for (int64_t i = 0; i < Vec::size(); ++i) {
-      const int64_t j = i + Vec::size();
-      low[i] = (row[i] & 15) | ((bits[i / 8] >> (i % 8) & 1) << 4);
-      high[i] = (row[i] >> 4) | ((bits[j / 8] >> (j % 8) & 1) << 4);
+  static constexpr int64_t kGroupRows = 32;
+  static constexpr int64_t kHalfBytes = Vec::size() * sizeof(uint32_t);
+  static constexpr int64_t shift_of(int64_t r) { return 5 * r % 32; }
+  // Row r's fields are read in place (times 2^shift_of(r)) unless they end or cross their word.
+  static constexpr bool in_place(int64_t r) { return shift_of(r) < 27; }
+  static float input_scale(int64_t r) {
+    return in_place(r) ? std::ldexp(1.0f, -static_cast<int>(shift_of(r))) : 1.0f;
+  }
+  static Words word(const uint8_t* group, int64_t index, int64_t half) {
+    return load_words(group + (2 * index + half) * kHalfBytes);
+  }
+  // Half `half` of row r of the group at `group`, times 2^shift_of(r) where in_place(r).
+  template <int64_t r>
+  static Vec field(const uint8_t* group, int64_t half) {
+    constexpr int64_t index = 5 * r / 32, shift = shift_of(r);
+    const Words words = word(group, index, half);
+    if constexpr (shift < 27) {
+      return to_float(and_words(words, 31 << shift));
+    } else if constexpr (shift == 27) {
+      return to_float(shift_down<27>(words));
+    } else {  // the low 32 - shift bits here, the rest at the bottom of the next word
+      const Words rest = and_words(word(group, index + 1, half), (1 << (shift - 27)) - 1);
+      return at::vec::fmadd(to_float(rest), Vec(static_cast<float>(1 << (32 - shift))),
+                            to_float(shift_down<shift>(words)));
     }
-    return {Vec::loadu(low), Vec::loadu(high)};
-#endif
+  }
+  // Row r's values as they are, for widening.
+  static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
+    const uint8_t* group = values + index / kGroupRows * kGroupRows * kRowBytes;
+    const int64_t r = index % kGroupRows, word_index = 5 * r / 32, shift = shift_of(r);
+    Vec halves[2];
+    for (int64_t half = 0; half < 2; ++half) {
+      Words words = shift_down(word(group, word_index, half), static_cast<int>(shift));
+      if (shift > 27) {
+        words = or_words(words, shift_up(word(group, word_index + 1, half), 32 - shift));
+      }
+      halves[half] = to_float(and_words(words, 31));
+    }
+    return {halves[0], halves[1]};
   }
 };
 // Q6_K's values as bytes: splicing two bits a value onto nibbles costs a product at one row more
 // instructions than the bytes it saves are worth; a byte widens in one instruction, as Q8_0's.
 struct UnsignedBytes {
   static constexpr int64_t kRowBytes = kPanel;
-  static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
+  static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
+    const uint8_t* row = values + index * kRowBytes;
     return {widen(row), widen(row + Vec::size())};
   }
 };
 struct SignedBytes {
   static constexpr int64_t kRowBytes = kPanel;
-  static std::pair<Vec, Vec> widen_row(const uint8_t* row) {
-    const auto* values = reinterpret_cast<const int8_t*>(row);
-    return {widen(values), widen(values + Vec::size())};
+  static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
+    const auto* row = reinterpret_cast<const int8_t*>(values + index * kRowBytes);
+    return {widen(row), widen(row + Vec::size())};
   }
 };
 
@@ -312,11 +391,18 @@ struct BlockPanels {
   // [rows][in_features / Format::kGroup].
   const float* inputs;
   const float* input_sums;
+  // FiveBits: the input rows, each value times its row's FiveBits::input_scale.
+  const float* scaled_inputs = nullptr;
 
   BlockPanels at_panel(int64_t p) const {
     return {blocks + p * in_features / kBlockInputs<Format> * kBlockBytes<Format>,
             widened == nullptr ? nullptr : widened + p * in_features * kPanel, in_features, inputs,
-            input_sums};
+            input_sums, scaled_inputs};
+  }
+  // The values of group g (FiveBits).
+  const uint8_t* group_values(int64_t g) const {
+    return block_of(g) + Format::kHeaderBytes +
+           g % Format::kGroupsPerBlock * Format::kGroup * Format::kRowBytes;
   }
   // The block that holds group g.
   const uint8_t* block_of(int64_t g) const {
@@ -327,8 +413,7 @@ struct BlockPanels {
     if constexpr (std::is_same_v<value_t, float>) {
       return {Vec::loadu(widened + k * kPanel), Vec::loadu(widened + k * kPanel + Vec::size())};
     } else {
-      return Format::widen_row(block_of(g) + Format::kHeaderBytes +
-                               k % kBlockInputs<Format> * Format::kRowBytes);
+      return Format::widen_row(block_of(g) + Format::kHeaderBytes, k % kBlockInputs<Format>);
     }
   }
   // Half (0: low, 1: high) of group g's scales (part 0) or minima (part 1).
@@ -469,6 +554,35 @@ template <int64_t rows, int64_t panels, typename weight_t>
   finish_sums(sums, epilogue, out, out_stride, cols);
 }
 
+// sums[m] += scaled[m][r] * field r of group g, for the group's 32 rows of FiveBits panels: the
+// rows unrolled, so that each field's mask, shift and kind are constants.
+template <int64_t rows, int64_t kSums, typename Format>
+[[gnu::always_inline]] inline void accumulate_fields(Register (&sums)[rows][kSums],
+                                                     const float* scaled, int64_t in_features,
+                                                     const BlockPanels<Format, uint8_t>& panel,
+                                                     int64_t g) {
+  constexpr int64_t panels = kSums / 2;
+  const uint8_t* groups[panels];
+#pragma GCC unroll 6
+  for (int64_t p = 0; p < panels; ++p) groups[p] = panel.at_panel(p).group_values(g);
+  const auto row = [&]<int64_t r>(std::integral_constant<int64_t, r>) {
+#pragma GCC unroll 6
+    for (int64_t p = 0; p < panels; ++p) {
+      const Vec low = Format::template field<r>(groups[p], 0);
+      const Vec high = Format::template field<r>(groups[p], 1);
+#pragma GCC unroll 6
+      for (int64_t m = 0; m < rows; ++m) {
+        const Vec value(scaled[m * in_features + r]);
+        sums[m][2 * p] = at::vec::fmadd(value, low, Vec(sums[m][2 * p]));
+        sums[m][2 * p + 1] = at::vec::fmadd(value, high, Vec(sums[m][2 * p + 1]));
+      }
+    }
+  };
+  [&]<int64_t... r>(std::integer_sequence<int64_t, r...>) {
+    (row(std::integral_constant<int64_t, r>{}), ...);
+  }(std::make_integer_sequence<int64_t, FiveBits::kGroupRows>{});
+}
+
 // The same for block panels: each group's sums start from zero in registers and are added, times
 // the group's scales, to totals kept in L1, as are Q4_1's minima times the group's input sums.
 template <int64_t rows, int64_t panels, typename Format, typename value_t>
@@ -490,15 +604,20 @@ template <int64_t rows, int64_t panels, typename Format, typename value_t>
 #pragma GCC unroll 6
       for (int64_t m = 0; m < rows; ++m) sums[m][j] = Vec(0.0f);
     }
-    for (int64_t k = g * Format::kGroup; k < (g + 1) * Format::kGroup; ++k) {
+    if constexpr (std::is_base_of_v<FiveBits, Format> && std::is_same_v<value_t, uint8_t>) {
+      accumulate_fields(sums, panel.scaled_inputs + (x - panel.inputs) + g * Format::kGroup,
+                        in_features, panel, g);
+    } else {
+      for (int64_t k = g * Format::kGroup; k < (g + 1) * Format::kGroup; ++k) {
 #pragma GCC unroll 6
-      for (int64_t p = 0; p < panels; ++p) {
-        const auto [low, high] = panel.at_panel(p).row(g, k);
+        for (int64_t p = 0; p < panels; ++p) {
+          const auto [low, high] = panel.at_panel(p).row(g, k);
 #pragma GCC unroll 6
-        for (int64_t m = 0; m < rows; ++m) {
-          const Vec value(x[m * in_features + k]);
-          sums[m][2 * p] = at::vec::fmadd(value, low, Vec(sums[m][2 * p]));
-          sums[m][2 * p + 1] = at::vec::fmadd(value, high, Vec(sums[m][2 * p + 1]));
+          for (int64_t m = 0; m < rows; ++m) {
+            const Vec value(x[m * in_features + k]);
+            sums[m][2 * p] = at::vec::fmadd(value, low, Vec(sums[m][2 * p]));
+            sums[m][2 * p + 1] = at::vec::fmadd(value, high, Vec(sums[m][2 * p + 1]));
+          }
         }
       }
     }
@@ -671,13 +790,20 @@ at::Tensor nibble_rows(const at::Tensor& values) {
   const at::Tensor high = panels.narrow(2, kPanel / 2, kPanel / 2).bitwise_and(15);
   return low.bitwise_or(high.mul(16));
 }
+// FiveBits' words: [panels][groups][5 words][2 halves][Vec::size()] uint32, as bytes.
 at::Tensor five_bit_rows(const at::Tensor& values) {
-  const at::Tensor fifth = byte_rows(values).div(16, "floor");  // [panels][in][kPanel], 0 or 1
-  const at::Tensor weights = at::tensor({1, 2, 4, 8, 16, 32, 64, 128}, at::kByte);
-  const at::Tensor bits = fifth.view({fifth.size(0), fifth.size(1), kPanel / 8, 8})
-                              .mul(weights)
-                              .sum(3, false, at::kByte);
-  return at::cat({nibble_rows(values), bits}, 2);
+  constexpr int64_t kRows = FiveBits::kGroupRows;
+  const at::Tensor panels = byte_rows(values);  // [panels][in][kPanel]
+  const int64_t num_panels = panels.size(0), groups = panels.size(1) / kRows;
+  const at::Tensor by_row = panels.to(at::kLong).view({num_panels, groups, kRows, kPanel});
+  at::Tensor words = at::zeros({num_panels, groups, 5, kPanel}, at::kLong);
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t index = 5 * r / 32, shift = FiveBits::shift_of(r);
+    const at::Tensor value = by_row.select(2, r);
+    words.select(2, index).bitwise_or_(value.bitwise_left_shift(shift).bitwise_and(0xFFFFFFFFL));
+    if (shift > 27) words.select(2, index + 1).bitwise_or_(value.bitwise_right_shift(32 - shift));
+  }
+  return words.to(at::kInt).contiguous().view(at::kByte).view({num_panels, groups * kRows, -1});
 }
 
 // values (uint8) at most max_value.
@@ -1146,8 +1272,19 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
                     Format::kGroup);
               }
             }
+            std::vector<float> scaled;
+            if constexpr (std::is_base_of_v<FiveBits, Format>) {
+              float scales[FiveBits::kGroupRows];
+              for (int64_t r = 0; r < FiveBits::kGroupRows; ++r) {
+                scales[r] = FiveBits::input_scale(r);
+              }
+              scaled.resize(num_rows * in_features);
+              for (int64_t i = 0; i < static_cast<int64_t>(scaled.size()); ++i) {
+                scaled[i] = rows[i] * scales[i % FiveBits::kGroupRows];
+              }
+            }
             run(BlockPanels<Format, uint8_t>{block_data, nullptr, in_features, rows,
-                                             input_sums.data()},
+                                             input_sums.data(), scaled.data()},
                 unscaled);
           },
           BlockFormats{});
