@@ -336,22 +336,26 @@ def test_bfloat16_pairs_reject_mismatched_inputs():
         linear(torch.zeros(2, 8), packed, 40, torch.zeros(39))
 
 
-def _five_bit_products(generator, in_features=576, out_features=200):
-    """Products by q5_0 and q5_1 panels (values as bit fields), each with the product by
+def _bit_field_products(generator, in_features=576, out_features=200):
+    """Products by q4_1, q5_0 and q5_1 panels (values as bit fields), each with the product by
     q8_min panels of the same values, scales and minima (a byte a value; q5_0's minimum
     -16 * scale), on 1, 4, 9 and 40 rows (tiles of each height, and panels widened once)."""
     pack, linear = torch.ops.pagedserve, torch.ops.pagedserve.packed_linear
-    values = torch.randint(0, 32, (out_features, in_features), generator=generator)
     groups = (out_features, in_features // 32)
     scales = (torch.rand(groups, generator=generator) / 16).half()
     minima = (torch.randn(groups, generator=generator) / 4).half()
-    pairs = [
-        (pack.pack_q5_0(values.to(torch.uint8), scales), (scales.float() * -16).half()),
-        (pack.pack_q5_1(values.to(torch.uint8), scales, minima), minima),
+    nibbles, five_bits = (
+        torch.randint(0, top, (out_features, in_features), generator=generator).to(torch.uint8)
+        for top in (16, 32)
+    )
+    cases = [
+        (pack.pack_q4_1(nibbles, scales, minima), nibbles, minima),
+        (pack.pack_q5_0(five_bits, scales), five_bits, (scales.float() * -16).half()),
+        (pack.pack_q5_1(five_bits, scales, minima), five_bits, minima),
     ]
     x = torch.randn(40, in_features, generator=generator)
     products = []
-    for fields, stored_minima in pairs:
+    for fields, values, stored_minima in cases:
         as_bytes = pack.pack_q8_min(values.to(torch.int8), scales, stored_minima)
         for rows in (1, 4, 9, 40):
             products.append(
@@ -361,11 +365,12 @@ def _five_bit_products(generator, in_features=576, out_features=200):
     return products
 
 
-def test_five_bit_fields_give_the_bits_of_bytes():
-    """q5_0's and q5_1's bit fields are read in place against inputs scaled by powers of two
-    (exact), so their products are the same bits as q8_min's, whose bytes hold the same values."""
+def test_bit_fields_give_the_bits_of_bytes():
+    """q4_1's, q5_0's and q5_1's bit fields are read in place against inputs scaled by powers of
+    two (exact), so their products are the same bits as q8_min's, whose bytes hold the same
+    values."""
     assert cpu_kernels_available()
-    for fields, as_bytes in _five_bit_products(torch.Generator().manual_seed(0)):
+    for fields, as_bytes in _bit_field_products(torch.Generator().manual_seed(0)):
         assert torch.equal(fields, as_bytes)
 
 
@@ -710,7 +715,7 @@ def test_a_second_checkout_with_the_same_sources_loads_the_same_build(tmp_path):
 _INTEGER_PRODUCTS = """
 import sys, torch
 sys.path.insert(0, {tests!r})
-from test_kernels import _five_bit_products, _packed_weights
+from test_kernels import _bit_field_products, _packed_weights
 from pagedserve.model.kernels import _cflags, cpu_kernels_available
 assert cpu_kernels_available()
 generator = torch.Generator().manual_seed(0)
@@ -720,7 +725,7 @@ for weight_dtype, inputs in (("q4_1_q8", 576), ("q8_0_q8", 576), ("q5_0_q8", 576
     packed, _, _ = _packed_weights(200, inputs, weight_dtype, generator)
     x = torch.randn(9, inputs, generator=generator)
     rows += [torch.ops.pagedserve.packed_linear(x[:n], packed, 200, None)[0] for n in (1, 4, 9)]
-fields = _five_bit_products(generator)
+fields = _bit_field_products(generator)
 torch.save({{"rows": rows, "fields": fields, "flags": _cflags()}}, {out!r})
 """
 
@@ -730,8 +735,8 @@ def test_products_give_the_same_bits_with_and_without_avx512_vnni_and_bf16(tmp_p
     vpdpbusd where it has it) and an AVX2 build (vpmaddubsw, vpmaddwd; ATEN_CPU_CAPABILITY=avx2
     builds the kernels as for an AVX2-only CPU) compute the same bits, for q4_1_q8, q8_0_q8,
     q5_0_q8, q4_k_q8 and q6_k_q8; bfloat16_bf16's AVX2 path makes AVX-512 BF16's vdpbf16ps steps
-    in the same order, so it too gives the same bits. Each build's five-bit fields give the bits
-    of its bytes (test_five_bit_fields_give_the_bits_of_bytes), the AVX2 build's included."""
+    in the same order, so it too gives the same bits. Each build's bit fields give the bits of its
+    bytes (test_bit_fields_give_the_bits_of_bytes), the AVX2 build's included."""
     results = {}
     for name, capability in (("host", None), ("avx2", "avx2")):
         out = tmp_path / f"{name}.pt"

@@ -134,41 +134,12 @@ Vec widen(const weight_t* weights) {
 // the group's sum of x) to the output: the weights are never formed, so no multiply-add is spent
 // on them, and every tile shape does the same arithmetic in the same order.
 
-// One panel row's kPanel 4-bit values as integers: the low halves of its bytes, then the high.
 #if defined(CPU_CAPABILITY_AVX512)
-std::pair<__m512i, __m512i> nibbles_of(const uint8_t* bytes) {
-  const __m512i both =
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  return {_mm512_and_si512(both, _mm512_set1_epi32(15)), _mm512_srli_epi32(both, 4)};
-}
 Vec to_float(__m512i values) { return Vec(_mm512_cvtepi32_ps(values)); }
 #elif defined(CPU_CAPABILITY_AVX2)
-std::pair<__m256i, __m256i> nibbles_of(const uint8_t* bytes) {
-  const __m256i both =
-      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-  return {_mm256_and_si256(both, _mm256_set1_epi32(15)), _mm256_srli_epi32(both, 4)};
-}
 Vec to_float(__m256i values) { return Vec(_mm256_cvtepi32_ps(values)); }
 #endif
 
-// How a panel row holds its values. Nibbles: feature i in the low half of byte i, feature
-// i + Vec::size() in the high half, so that one widened load gives both of the row's vectors.
-// FiveBits: bit fields in 32-bit words, below.
-// UnsignedBytes and SignedBytes: a byte a feature.
-struct Nibbles {
-  static constexpr int64_t kRowBytes = kPanel / 2;
-  static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
-    const uint8_t* row = values + index * kRowBytes;
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    const auto [low, high] = nibbles_of(row);
-    return {to_float(low), to_float(high)};
-#else
-    float low[Vec::size()], high[Vec::size()];
-    for (int64_t i = 0; i < Vec::size(); ++i) low[i] = row[i] & 15, high[i] = row[i] >> 4;
-    return {Vec::loadu(low), Vec::loadu(high)};
-#endif
-  }
-};
 // 32-bit words of a vector's lanes, for values packed as bit fields.
 #if defined(CPU_CAPABILITY_AVX512)
 using Words = __m512i;
@@ -238,22 +209,29 @@ Vec to_float(Words words) {
 }
 #endif
 
-// FiveBits: a group's 32 rows as 160 bits a feature, row r's value in bits 5r to 5r + 4, held
-// in five 32-bit words stored [word][half][Vec::size()] (so a half's word is one vector load). A
-// tile reads row r in place: the word masked to its field and converted is value * 2^shift
-// (shift = 5r % 32), multiplied by an input pre-scaled by 2^-shift, which gives the product
-// x * value exactly, so the arithmetic is that of the value itself: one mask and one conversion a
-// vector, where splicing a fifth bit onto a nibble takes two more instructions. The field that
-// ends the word (shift 27) is shifted down instead, and the four that cross into the next word
-// (rows 6, 12, 19 and 25) are joined from their two parts, exactly, against the input itself.
-// Inputs are scaled by at most 2^-26, exactly unless below 2^-100 in magnitude.
-struct FiveBits {
-  static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 8;
+// How a panel holds its values. BitFields<4> and <5> (Q4_1 and Q4_K's, Q5_0, Q5_1 and Q5_K's):
+// a group's 32 rows as 32 * bits bits a feature, row r's value in bits r * bits to r * bits +
+// bits - 1, held in `bits` 32-bit words stored [word][half][Vec::size()] (a half's word is one
+// vector load). A tile reads row r in place: the word masked to the field and converted is
+// value * 2^s (s = r * bits % 32), multiplied by an input pre-scaled by 2^-s once a call, which
+// gives the product x * value exactly, so the arithmetic is that of the value itself, in one mask
+// and one conversion a vector (nibbles a byte apart took a widening load, a mask and a shift for
+// two vectors, and a fifth bit beside them two more instructions). The field that ends its word is
+// shifted down, and the 5-bit fields that cross into the next word (rows 6, 12, 19 and 25) are
+// joined from their two parts: both meet the unscaled input. Inputs are scaled by at most 2^-28,
+// exactly unless below 2^-98 in magnitude.
+// UnsignedBytes and SignedBytes: a byte a feature, a row's kPanel bytes after the other's.
+template <int64_t bits>
+struct BitFields {
+  static constexpr bool kFields = true;
+  static constexpr int64_t kBits = bits;
+  static constexpr int64_t kRowBytes = kPanel * bits / 8;
   static constexpr int64_t kGroupRows = 32;
   static constexpr int64_t kHalfBytes = Vec::size() * sizeof(uint32_t);
-  static constexpr int64_t shift_of(int64_t r) { return 5 * r % 32; }
+  static constexpr int64_t word_of(int64_t r) { return r * bits / 32; }
+  static constexpr int64_t shift_of(int64_t r) { return r * bits % 32; }
   // Row r's fields are read in place (times 2^shift_of(r)) unless they end or cross their word.
-  static constexpr bool in_place(int64_t r) { return shift_of(r) < 27; }
+  static constexpr bool in_place(int64_t r) { return shift_of(r) + bits < 32; }
   static float input_scale(int64_t r) {
     return in_place(r) ? std::ldexp(1.0f, -static_cast<int>(shift_of(r))) : 1.0f;
   }
@@ -263,36 +241,40 @@ struct FiveBits {
   // Half `half` of row r of the group at `group`, times 2^shift_of(r) where in_place(r).
   template <int64_t r>
   static Vec field(const uint8_t* group, int64_t half) {
-    constexpr int64_t index = 5 * r / 32, shift = shift_of(r);
+    constexpr int64_t index = word_of(r), shift = shift_of(r), top = 32 - bits;
+    constexpr int32_t mask = (1 << bits) - 1;
     const Words words = word(group, index, half);
-    if constexpr (shift < 27) {
-      return to_float(and_words(words, 31 << shift));
-    } else if constexpr (shift == 27) {
-      return to_float(shift_down<27>(words));
+    if constexpr (shift < top) {
+      return to_float(and_words(words, mask << shift));
+    } else if constexpr (shift == top) {
+      return to_float(shift_down<top>(words));
     } else {  // the low 32 - shift bits here, the rest at the bottom of the next word
-      const Words rest = and_words(word(group, index + 1, half), (1 << (shift - 27)) - 1);
+      const Words rest = and_words(word(group, index + 1, half), (1 << (shift - top)) - 1);
       return at::vec::fmadd(to_float(rest), Vec(static_cast<float>(1 << (32 - shift))),
                             to_float(shift_down<shift>(words)));
     }
   }
-  // Row r's values as they are, for widening.
+  // Row `index` of a block's values as they are, for widening.
   static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
     const uint8_t* group = values + index / kGroupRows * kGroupRows * kRowBytes;
-    const int64_t r = index % kGroupRows, word_index = 5 * r / 32, shift = shift_of(r);
+    const int64_t r = index % kGroupRows, word_index = word_of(r), shift = shift_of(r);
     Vec halves[2];
     for (int64_t half = 0; half < 2; ++half) {
       Words words = shift_down(word(group, word_index, half), static_cast<int>(shift));
-      if (shift > 27) {
+      if (shift + bits > 32) {
         words = or_words(words, shift_up(word(group, word_index + 1, half), 32 - shift));
       }
-      halves[half] = to_float(and_words(words, 31));
+      halves[half] = to_float(and_words(words, (1 << bits) - 1));
     }
     return {halves[0], halves[1]};
   }
 };
+using Nibbles = BitFields<4>;
+using FiveBits = BitFields<5>;
 // Q6_K's values as bytes: splicing two bits a value onto nibbles costs a product at one row more
 // instructions than the bytes it saves are worth; a byte widens in one instruction, as Q8_0's.
 struct UnsignedBytes {
+  static constexpr bool kFields = false;
   static constexpr int64_t kRowBytes = kPanel;
   static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
     const uint8_t* row = values + index * kRowBytes;
@@ -300,6 +282,7 @@ struct UnsignedBytes {
   }
 };
 struct SignedBytes {
+  static constexpr bool kFields = false;
   static constexpr int64_t kRowBytes = kPanel;
   static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
     const auto* row = reinterpret_cast<const int8_t*>(values + index * kRowBytes);
@@ -391,7 +374,7 @@ struct BlockPanels {
   // [rows][in_features / Format::kGroup].
   const float* inputs;
   const float* input_sums;
-  // FiveBits: the input rows, each value times its row's FiveBits::input_scale.
+  // BitFields: the input rows, each value times its row's input_scale.
   const float* scaled_inputs = nullptr;
 
   BlockPanels at_panel(int64_t p) const {
@@ -399,7 +382,7 @@ struct BlockPanels {
             widened == nullptr ? nullptr : widened + p * in_features * kPanel, in_features, inputs,
             input_sums, scaled_inputs};
   }
-  // The values of group g (FiveBits).
+  // The values of group g (BitFields).
   const uint8_t* group_values(int64_t g) const {
     return block_of(g) + Format::kHeaderBytes +
            g % Format::kGroupsPerBlock * Format::kGroup * Format::kRowBytes;
@@ -554,8 +537,8 @@ template <int64_t rows, int64_t panels, typename weight_t>
   finish_sums(sums, epilogue, out, out_stride, cols);
 }
 
-// sums[m] += scaled[m][r] * field r of group g, for the group's 32 rows of FiveBits panels: the
-// rows unrolled, so that each field's mask, shift and kind are constants.
+// sums[m] += scaled[m][r] * field r of group g, for the group's 32 rows of BitFields panels:
+// the rows unrolled, so that each field's mask, shift and kind are constants.
 template <int64_t rows, int64_t kSums, typename Format>
 [[gnu::always_inline]] inline void accumulate_fields(Register (&sums)[rows][kSums],
                                                      const float* scaled, int64_t in_features,
@@ -580,7 +563,7 @@ template <int64_t rows, int64_t kSums, typename Format>
   };
   [&]<int64_t... r>(std::integer_sequence<int64_t, r...>) {
     (row(std::integral_constant<int64_t, r>{}), ...);
-  }(std::make_integer_sequence<int64_t, FiveBits::kGroupRows>{});
+  }(std::make_integer_sequence<int64_t, Format::kGroupRows>{});
 }
 
 // The same for block panels: each group's sums start from zero in registers and are added, times
@@ -604,7 +587,7 @@ template <int64_t rows, int64_t panels, typename Format, typename value_t>
 #pragma GCC unroll 6
       for (int64_t m = 0; m < rows; ++m) sums[m][j] = Vec(0.0f);
     }
-    if constexpr (std::is_base_of_v<FiveBits, Format> && std::is_same_v<value_t, uint8_t>) {
+    if constexpr (Format::kFields && std::is_same_v<value_t, uint8_t>) {
       accumulate_fields(sums, panel.scaled_inputs + (x - panel.inputs) + g * Format::kGroup,
                         in_features, panel, g);
     } else {
@@ -777,31 +760,28 @@ at::Tensor pack_blocks(at::TensorList header_parts, const at::Tensor& value_rows
   return at::cat(pieces, 2);
 }
 
-// Panel rows [panels][in][row bytes] of values [out][in] (uint8), as Nibbles and FiveBits hold
-// them (values below 16 or 32).
 // values [out, in] (uint8) as panels [panels][in][kPanel], a value a byte.
 at::Tensor byte_rows(const at::Tensor& values) {
   return pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte);
 }
-at::Tensor nibble_rows(const at::Tensor& values) {
-  // one value a byte, then two
-  const at::Tensor panels = byte_rows(values);
-  const at::Tensor low = panels.narrow(2, 0, kPanel / 2).bitwise_and(15);
-  const at::Tensor high = panels.narrow(2, kPanel / 2, kPanel / 2).bitwise_and(15);
-  return low.bitwise_or(high.mul(16));
-}
-// FiveBits' words: [panels][groups][5 words][2 halves][Vec::size()] uint32, as bytes.
-at::Tensor five_bit_rows(const at::Tensor& values) {
-  constexpr int64_t kRows = FiveBits::kGroupRows;
+
+// BitFields<bits>' words for values [out][in] (uint8, below 2^bits): [panels][groups][bits
+// words][2 halves][Vec::size()] uint32, as bytes [panels][in][row bytes].
+template <int64_t bits>
+at::Tensor field_rows(const at::Tensor& values) {
+  using Fields = BitFields<bits>;
+  constexpr int64_t kRows = Fields::kGroupRows;
   const at::Tensor panels = byte_rows(values);  // [panels][in][kPanel]
   const int64_t num_panels = panels.size(0), groups = panels.size(1) / kRows;
   const at::Tensor by_row = panels.to(at::kLong).view({num_panels, groups, kRows, kPanel});
-  at::Tensor words = at::zeros({num_panels, groups, 5, kPanel}, at::kLong);
+  at::Tensor words = at::zeros({num_panels, groups, bits, kPanel}, at::kLong);
   for (int64_t r = 0; r < kRows; ++r) {
-    const int64_t index = 5 * r / 32, shift = FiveBits::shift_of(r);
+    const int64_t index = Fields::word_of(r), shift = Fields::shift_of(r);
     const at::Tensor value = by_row.select(2, r);
     words.select(2, index).bitwise_or_(value.bitwise_left_shift(shift).bitwise_and(0xFFFFFFFFL));
-    if (shift > 27) words.select(2, index + 1).bitwise_or_(value.bitwise_right_shift(32 - shift));
+    if (shift + bits > 32) {
+      words.select(2, index + 1).bitwise_or_(value.bitwise_right_shift(32 - shift));
+    }
   }
   return words.to(at::kInt).contiguous().view(at::kByte).view({num_panels, groups * kRows, -1});
 }
@@ -915,7 +895,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 // uint8, [panels][in / 32][block bytes].
 at::Tensor pack_q4_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima) {
   check_q4_1_inputs("pack_q4_1", values, scales, minima);
-  return pack_blocks({scales, minima}, nibble_rows(values));
+  return pack_blocks({scales, minima}, field_rows<4>(values));
 }
 
 // values: [out, in] int8, -127 to 127; scales: [out, in / 32] float16 (weight = scale *
@@ -929,7 +909,7 @@ at::Tensor pack_q8_0(const at::Tensor& values, const at::Tensor& scales) {
 at::Tensor pack_q5_0(const at::Tensor& values, const at::Tensor& scales) {
   check_block_inputs("pack_q5_0", values, at::kByte, {scales});
   check_values_at_most("pack_q5_0", values, 31);
-  return pack_blocks({scales}, five_bit_rows(values));
+  return pack_blocks({scales}, field_rows<5>(values));
 }
 
 // values: [out, in] int8; scales and minima: [out, in / 32] float16 (weight = scale * value +
@@ -944,7 +924,7 @@ at::Tensor pack_q8_min(const at::Tensor& values, const at::Tensor& scales,
 at::Tensor pack_q5_1(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& minima) {
   check_block_inputs("pack_q5_1", values, at::kByte, {scales, minima});
   check_values_at_most("pack_q5_1", values, 31);
-  return pack_blocks({scales, minima}, five_bit_rows(values));
+  return pack_blocks({scales, minima}, field_rows<5>(values));
 }
 
 // values: [out, in] uint8, 0-15 (Q4_K) or 0-31 (Q5_K); d and dmin: [out, in / 256] float16;
@@ -953,13 +933,13 @@ at::Tensor pack_q5_1(const at::Tensor& values, const at::Tensor& scales, const a
 at::Tensor pack_q4_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                      const at::Tensor& sc, const at::Tensor& m) {
   check_q4_k_inputs("pack_q4_k", values, d, dmin, sc, m);
-  return pack_blocks({d, dmin, sc, m}, nibble_rows(values));
+  return pack_blocks({d, dmin, sc, m}, field_rows<4>(values));
 }
 at::Tensor pack_q5_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                      const at::Tensor& sc, const at::Tensor& m) {
   check_format_inputs<Q5_K>("pack_q5_k", values, 31);
   check_super_block_header<Q5_K>("pack_q5_k", values, d, dmin, sc, m, at::kByte, at::kByte);
-  return pack_blocks({d, dmin, sc, m}, five_bit_rows(values));
+  return pack_blocks({d, dmin, sc, m}, field_rows<5>(values));
 }
 
 // values: [out, in] uint8, 0-63; d and dmin: [out, in / 256] float16; sc and m:
@@ -1058,8 +1038,9 @@ inline void transpose_bytes_16x16(const uint8_t* in, int64_t in_stride, uint8_t*
 // 256 * block bytes] uint8, as the file stores them), written to target ([ceil(out / kPanel)]
 // [blocks][block bytes]) from the blocks in one pass, the panels' blocks shared between threads,
 // with no integer arrays in between: a panel's block decodes its kPanel features' blocks one by
-// one, then turns their values input-major sixteen by sixteen. Every byte of the packed block is
-// written (features past out: zeros).
+// one, then writes their values as the format holds them (Q4_K's as BitFields' words, Q6_K's
+// input-major, sixteen by sixteen). Every byte of the packed block is written (features past out:
+// zeros).
 template <typename Format>
 void pack_gguf_super_blocks(const at::Tensor& rows, int64_t gguf_bytes, ReadSuperBlock read,
                             uint8_t* target) {
@@ -1071,7 +1052,6 @@ void pack_gguf_super_blocks(const at::Tensor& rows, int64_t gguf_bytes, ReadSupe
   at::parallel_for(0, num_panels * num_blocks, 1, [&](int64_t begin, int64_t end) {
     SuperBlock block;
     alignas(64) uint8_t by_feature[kPanel][256];
-    alignas(64) uint8_t by_input[256][kPanel];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t panel = item / num_blocks, b = item % num_blocks;
       const int64_t features = std::min(kPanel, out - panel * kPanel);
@@ -1087,25 +1067,33 @@ void pack_gguf_super_blocks(const at::Tensor& rows, int64_t gguf_bytes, ReadSupe
         }
       }
       std::memset(&by_feature[0][0] + features * 256, 0, (kPanel - features) * 256);
-      // Q6_K's panel rows are a byte a feature: the values go straight to them.
-      constexpr bool bytes = std::is_same_v<Format, Q6_K>;
-      uint8_t* transposed = bytes ? to + header : &by_input[0][0];
-      if constexpr (kPanel % 16 == 0) {
-        for (int64_t f = 0; f < kPanel; f += 16) {
-          for (int64_t k = 0; k < 256; k += 16) {
-            transpose_bytes_16x16(&by_feature[f][k], 256, transposed + k * kPanel + f, kPanel);
+      if constexpr (Format::kFields) {  // each group's words, [word][feature]
+        using Fields = BitFields<Format::kBits>;
+        constexpr int64_t bits = Format::kBits, rows = Fields::kGroupRows;
+        for (int64_t g = 0; g < 256 / rows; ++g) {
+          uint32_t words[bits][kPanel] = {};
+          for (int64_t f = 0; f < kPanel; ++f) {
+            for (int64_t r = 0; r < rows; ++r) {
+              const uint32_t value = by_feature[f][g * rows + r];
+              const int64_t shift = Fields::shift_of(r);
+              words[Fields::word_of(r)][f] |= value << shift;
+              if (shift + bits > 32) words[Fields::word_of(r) + 1][f] |= value >> (32 - shift);
+            }
           }
+          std::memcpy(to + header + g * rows * Format::kRowBytes, words, sizeof(words));
         }
-      } else {  // panels of 8 features (vectors of 4 floats)
-        for (int64_t f = 0; f < kPanel; ++f) {
-          for (int64_t k = 0; k < 256; ++k) transposed[k * kPanel + f] = by_feature[f][k];
-        }
-      }
-      if constexpr (!bytes) {  // two features a byte: the first half's low, the second's high
-        for (int64_t k = 0; k < 256; ++k) {
-          uint8_t* row = to + header + k * Format::kRowBytes;
-          for (int64_t f = 0; f < kPanel / 2; ++f) {
-            row[f] = (by_input[k][f] & 15) | (by_input[k][f + kPanel / 2] & 15) << 4;
+      } else {  // Q6_K's panel rows are a byte a feature
+        static_assert(std::is_same_v<Format, Q6_K>);
+        uint8_t* transposed = to + header;
+        if constexpr (kPanel % 16 == 0) {
+          for (int64_t f = 0; f < kPanel; f += 16) {
+            for (int64_t k = 0; k < 256; k += 16) {
+              transpose_bytes_16x16(&by_feature[f][k], 256, transposed + k * kPanel + f, kPanel);
+            }
+          }
+        } else {  // panels of 8 features (vectors of 4 floats)
+          for (int64_t f = 0; f < kPanel; ++f) {
+            for (int64_t k = 0; k < 256; ++k) transposed[k * kPanel + f] = by_feature[f][k];
           }
         }
       }
@@ -1273,14 +1261,14 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
               }
             }
             std::vector<float> scaled;
-            if constexpr (std::is_base_of_v<FiveBits, Format>) {
-              float scales[FiveBits::kGroupRows];
-              for (int64_t r = 0; r < FiveBits::kGroupRows; ++r) {
-                scales[r] = FiveBits::input_scale(r);
+            if constexpr (Format::kFields) {
+              float scales[Format::kGroupRows];
+              for (int64_t r = 0; r < Format::kGroupRows; ++r) {
+                scales[r] = Format::input_scale(r);
               }
               scaled.resize(num_rows * in_features);
               for (int64_t i = 0; i < static_cast<int64_t>(scaled.size()); ++i) {
-                scaled[i] = rows[i] * scales[i % FiveBits::kGroupRows];
+                scaled[i] = rows[i] * scales[i % Format::kGroupRows];
               }
             }
             run(BlockPanels<Format, uint8_t>{block_data, nullptr, in_features, rows,
