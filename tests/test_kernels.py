@@ -143,6 +143,7 @@ _K_QUANTS = {
     "q4_k_q8": (16, 32, (0, 64), torch.uint8),
     "q6_k_q8": (64, 16, (-128, 128), torch.int8),
     "q5_k": (32, 32, (0, 64), torch.uint8),
+    "q6_k": (64, 16, (-128, 128), torch.int8),
 }
 
 
@@ -231,7 +232,7 @@ _SUPER_BLOCK_SHAPES = [(rows, 256 * -(-k // 256), n, bias) for rows, k, n, bias 
     ("rows", "in_features", "out_features", "with_bias", "weight_dtype"),
     [(*shape, dtype) for shape in _SHAPES + _ANY_SHAPES for dtype in _DTYPES]
     + [(*shape, dtype) for shape in _SHAPES for dtype in _BLOCK_DTYPES]
-    + [(*shape, "q5_k") for shape in _SUPER_BLOCK_SHAPES],
+    + [(*shape, dtype) for shape in _SUPER_BLOCK_SHAPES for dtype in ("q5_k", "q6_k")],
 )
 def test_packed_linear_matches_plain_product(
     rows, in_features, out_features, with_bias, weight_dtype

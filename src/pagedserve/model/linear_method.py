@@ -180,7 +180,7 @@ PACKED_FORMATS: dict[str, PackedLinearMethod] = {
         GGUFBlocks("q8_min", 36 / 32, holds=_HOLDS["q8_min"], logits="q8_0"),
         GGUFBlocks("q4_k", 148 / 256, holds=_HOLDS["q4_k"], logits="q8_0"),
         GGUFBlocks("q5_k", 180 / 256, holds=_HOLDS["q5_k"], logits="q8_0"),
-        GGUFBlocks("q6_k", 292 / 256, holds=_HOLDS["q6_k"], logits="q8_0"),
+        GGUFBlocks("q6_k", 228 / 256, holds=_HOLDS["q6_k"], logits="q8_0"),
         # A K-quant file's q4_k, q6_k, q5_0 and q8_0 maps in integers (q8_0_q8 above; the others
         # as auto packs them).
         GGUFBlocks("q4_k_q8", 148 / 256, holds=_HOLDS["q4_k_q8"], rounds_inputs=True),

@@ -122,7 +122,7 @@ Vec widen(const weight_t* weights) {
 // Q4_K and Q5_K: super-blocks of 256 inputs with a float16 d and dmin, and each group of 32 a
 //   6-bit sc and m: scale = d * sc, minimum = -(dmin * m), values 0-15 or 0-31 (4.6 and 5.6 bits);
 // Q6_K: super-blocks of 256 with a float16 d and dmin, and each group of 16 an int8 sc and m,
-//   values 0-63, a byte each (9.1 bits): GGUF's Q6_K weight d * sc * (q - 32) with
+//   values 0-63 (7.1 bits): GGUF's Q6_K weight d * sc * (q - 32) with
 //   dmin = 32 * d and m = sc, and its Q4_K and Q5_K, so that a fused map whose parts mix them
 //   stays exact.
 // So a GGUF checkpoint's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights are held
@@ -220,7 +220,7 @@ Vec to_float(Words words) {
 // shifted down, and the 5-bit fields that cross into the next word (rows 6, 12, 19 and 25) are
 // joined from their two parts: both meet the unscaled input. Inputs are scaled by at most 2^-28,
 // exactly unless below 2^-98 in magnitude.
-// UnsignedBytes and SignedBytes: a byte a feature, a row's kPanel bytes after the other's.
+// SignedBytes: a byte a feature, a row's kPanel bytes after the other's.
 template <int64_t bits>
 struct BitFields {
   static constexpr bool kFields = true;
@@ -271,16 +271,6 @@ struct BitFields {
 };
 using Nibbles = BitFields<4>;
 using FiveBits = BitFields<5>;
-// Q6_K's values as bytes: splicing two bits a value onto nibbles costs a product at one row more
-// instructions than the bytes it saves are worth; a byte widens in one instruction, as Q8_0's.
-struct UnsignedBytes {
-  static constexpr bool kFields = false;
-  static constexpr int64_t kRowBytes = kPanel;
-  static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
-    const uint8_t* row = values + index * kRowBytes;
-    return {widen(row), widen(row + Vec::size())};
-  }
-};
 struct SignedBytes {
   static constexpr bool kFields = false;
   static constexpr int64_t kRowBytes = kPanel;
@@ -338,7 +328,7 @@ struct Q5_1 : FiveBits, GroupHeader<Minima::kStored> {};
 struct Q8_Min : SignedBytes, GroupHeader<Minima::kStored> {};
 struct Q4_K : Nibbles, SuperBlockHeader<8, uint8_t, uint8_t> {};
 struct Q5_K : FiveBits, SuperBlockHeader<8, uint8_t, uint8_t> {};
-struct Q6_K : UnsignedBytes, SuperBlockHeader<16, int8_t, int8_t> {};
+struct Q6_K : BitFields<6>, SuperBlockHeader<16, int8_t, int8_t> {};
 
 // A panel is stored as blocks: the block's header, then its values, so that a tile reads each
 // panel as one stream, as for int8, rather than scales, minima and values from three places.
@@ -382,10 +372,11 @@ struct BlockPanels {
             widened == nullptr ? nullptr : widened + p * in_features * kPanel, in_features, inputs,
             input_sums, scaled_inputs};
   }
-  // The values of group g (BitFields).
+  // The fields that hold group g's values (BitFields).
   const uint8_t* group_values(int64_t g) const {
+    const int64_t first_row = g % Format::kGroupsPerBlock * Format::kGroup;
     return block_of(g) + Format::kHeaderBytes +
-           g % Format::kGroupsPerBlock * Format::kGroup * Format::kRowBytes;
+           first_row / Format::kGroupRows * Format::kGroupRows * Format::kRowBytes;
   }
   // The block that holds group g.
   const uint8_t* block_of(int64_t g) const {
@@ -537,9 +528,10 @@ template <int64_t rows, int64_t panels, typename weight_t>
   finish_sums(sums, epilogue, out, out_stride, cols);
 }
 
-// sums[m] += scaled[m][r] * field r of group g, for the group's 32 rows of BitFields panels:
-// the rows unrolled, so that each field's mask, shift and kind are constants.
-template <int64_t rows, int64_t kSums, typename Format>
+// sums[m] += scaled[m][i] * field first + i of group g's fields, for its Format::kGroup rows
+// of BitFields panels (all 32, or Q6_K's 16 from `first`): the rows unrolled, so that each
+// field's mask, shift and kind are constants.
+template <int64_t first, int64_t rows, int64_t kSums, typename Format>
 [[gnu::always_inline]] inline void accumulate_fields(Register (&sums)[rows][kSums],
                                                      const float* scaled, int64_t in_features,
                                                      const BlockPanels<Format, uint8_t>& panel,
@@ -555,15 +547,15 @@ template <int64_t rows, int64_t kSums, typename Format>
       const Vec high = Format::template field<r>(groups[p], 1);
 #pragma GCC unroll 6
       for (int64_t m = 0; m < rows; ++m) {
-        const Vec value(scaled[m * in_features + r]);
+        const Vec value(scaled[m * in_features + r - first]);
         sums[m][2 * p] = at::vec::fmadd(value, low, Vec(sums[m][2 * p]));
         sums[m][2 * p + 1] = at::vec::fmadd(value, high, Vec(sums[m][2 * p + 1]));
       }
     }
   };
-  [&]<int64_t... r>(std::integer_sequence<int64_t, r...>) {
-    (row(std::integral_constant<int64_t, r>{}), ...);
-  }(std::make_integer_sequence<int64_t, Format::kGroupRows>{});
+  [&]<int64_t... i>(std::integer_sequence<int64_t, i...>) {
+    (row(std::integral_constant<int64_t, first + i>{}), ...);
+  }(std::make_integer_sequence<int64_t, Format::kGroup>{});
 }
 
 // The same for block panels: each group's sums start from zero in registers and are added, times
@@ -588,8 +580,17 @@ template <int64_t rows, int64_t panels, typename Format, typename value_t>
       for (int64_t m = 0; m < rows; ++m) sums[m][j] = Vec(0.0f);
     }
     if constexpr (Format::kFields && std::is_same_v<value_t, uint8_t>) {
-      accumulate_fields(sums, panel.scaled_inputs + (x - panel.inputs) + g * Format::kGroup,
-                        in_features, panel, g);
+      const float* scaled = panel.scaled_inputs + (x - panel.inputs) + g * Format::kGroup;
+      if constexpr (Format::kGroup == Format::kGroupRows) {
+        accumulate_fields<0>(sums, scaled, in_features, panel, g);
+      } else {  // Q6_K: two groups of 16 a group of fields
+        static_assert(2 * Format::kGroup == Format::kGroupRows);
+        if (g % 2 == 0) {
+          accumulate_fields<0>(sums, scaled, in_features, panel, g);
+        } else {
+          accumulate_fields<Format::kGroup>(sums, scaled, in_features, panel, g);
+        }
+      }
     } else {
       for (int64_t k = g * Format::kGroup; k < (g + 1) * Format::kGroup; ++k) {
 #pragma GCC unroll 6
@@ -947,7 +948,7 @@ at::Tensor pack_q5_k(const at::Tensor& values, const at::Tensor& d, const at::Te
 at::Tensor pack_q6_k(const at::Tensor& values, const at::Tensor& d, const at::Tensor& dmin,
                      const at::Tensor& sc, const at::Tensor& m) {
   check_q6_k_inputs("pack_q6_k", values, d, dmin, sc, m);
-  return pack_blocks({d, dmin, sc, m}, byte_rows(values));
+  return pack_blocks({d, dmin, sc, m}, field_rows<6>(values));
 }
 
 // GGUF's Q4_K block (144 bytes): d, dmin, 12 bytes of 6-bit sc and m for 8 groups of 32, then
@@ -995,52 +996,12 @@ void read_q6_k(const uint8_t* __restrict raw, SuperBlock& block, uint8_t* __rest
   }
 }
 
-// out[c * out_stride + r] = in[r * in_stride + c] for a tile of 16 x 16 bytes: its rows
-// interleaved two by two four times over (bytes, then pairs, quads and eights of them).
-inline void transpose_bytes_16x16(const uint8_t* in, int64_t in_stride, uint8_t* out,
-                                  int64_t out_stride) {
-#if defined(__SSE2__)
-  __m128i a[16], b[16];
-  for (int64_t i = 0; i < 16; ++i) {
-    a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * in_stride));
-  }
-  for (int64_t i = 0; i < 8; ++i) {
-    b[i] = _mm_unpacklo_epi8(a[2 * i], a[2 * i + 1]);
-    b[i + 8] = _mm_unpackhi_epi8(a[2 * i], a[2 * i + 1]);
-  }
-  for (int64_t i = 0; i < 4; ++i) {
-    a[i] = _mm_unpacklo_epi16(b[2 * i], b[2 * i + 1]);
-    a[i + 4] = _mm_unpackhi_epi16(b[2 * i], b[2 * i + 1]);
-    a[i + 8] = _mm_unpacklo_epi16(b[8 + 2 * i], b[9 + 2 * i]);
-    a[i + 12] = _mm_unpackhi_epi16(b[8 + 2 * i], b[9 + 2 * i]);
-  }
-  for (int64_t q = 0; q < 4; ++q) {
-    for (int64_t i = 0; i < 2; ++i) {
-      b[4 * q + i] = _mm_unpacklo_epi32(a[4 * q + 2 * i], a[4 * q + 2 * i + 1]);
-      b[4 * q + i + 2] = _mm_unpackhi_epi32(a[4 * q + 2 * i], a[4 * q + 2 * i + 1]);
-    }
-  }
-  for (int64_t i = 0; i < 8; ++i) {
-    a[2 * i] = _mm_unpacklo_epi64(b[2 * i], b[2 * i + 1]);
-    a[2 * i + 1] = _mm_unpackhi_epi64(b[2 * i], b[2 * i + 1]);
-  }
-  for (int64_t i = 0; i < 16; ++i) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i * out_stride), a[i]);
-  }
-#else
-  for (int64_t r = 0; r < 16; ++r) {
-    for (int64_t c = 0; c < 16; ++c) out[c * out_stride + r] = in[r * in_stride + c];
-  }
-#endif
-}
-
 // The panels that pack_q4_k or pack_q6_k make of a GGUF file's Q4_K or Q6_K rows ([out][in /
 // 256 * block bytes] uint8, as the file stores them), written to target ([ceil(out / kPanel)]
 // [blocks][block bytes]) from the blocks in one pass, the panels' blocks shared between threads,
 // with no integer arrays in between: a panel's block decodes its kPanel features' blocks one by
-// one, then writes their values as the format holds them (Q4_K's as BitFields' words, Q6_K's
-// input-major, sixteen by sixteen). Every byte of the packed block is written (features past out:
-// zeros).
+// one, then writes their values as BitFields' words. Every byte of the packed block is written
+// (features past out: zeros).
 template <typename Format>
 void pack_gguf_super_blocks(const at::Tensor& rows, int64_t gguf_bytes, ReadSuperBlock read,
                             uint8_t* target) {
@@ -1067,35 +1028,20 @@ void pack_gguf_super_blocks(const at::Tensor& rows, int64_t gguf_bytes, ReadSupe
         }
       }
       std::memset(&by_feature[0][0] + features * 256, 0, (kPanel - features) * 256);
-      if constexpr (Format::kFields) {  // each group's words, [word][feature]
-        using Fields = BitFields<Format::kBits>;
-        constexpr int64_t bits = Format::kBits, rows = Fields::kGroupRows;
-        for (int64_t g = 0; g < 256 / rows; ++g) {
-          uint32_t words[bits][kPanel] = {};
-          for (int64_t f = 0; f < kPanel; ++f) {
-            for (int64_t r = 0; r < rows; ++r) {
-              const uint32_t value = by_feature[f][g * rows + r];
-              const int64_t shift = Fields::shift_of(r);
-              words[Fields::word_of(r)][f] |= value << shift;
-              if (shift + bits > 32) words[Fields::word_of(r) + 1][f] |= value >> (32 - shift);
-            }
-          }
-          std::memcpy(to + header + g * rows * Format::kRowBytes, words, sizeof(words));
-        }
-      } else {  // Q6_K's panel rows are a byte a feature
-        static_assert(std::is_same_v<Format, Q6_K>);
-        uint8_t* transposed = to + header;
-        if constexpr (kPanel % 16 == 0) {
-          for (int64_t f = 0; f < kPanel; f += 16) {
-            for (int64_t k = 0; k < 256; k += 16) {
-              transpose_bytes_16x16(&by_feature[f][k], 256, transposed + k * kPanel + f, kPanel);
-            }
-          }
-        } else {  // panels of 8 features (vectors of 4 floats)
-          for (int64_t f = 0; f < kPanel; ++f) {
-            for (int64_t k = 0; k < 256; ++k) transposed[k * kPanel + f] = by_feature[f][k];
+      // Each group of 32 values' words, [word][feature].
+      using Fields = BitFields<Format::kBits>;
+      constexpr int64_t bits = Format::kBits, rows_a_group = Fields::kGroupRows;
+      for (int64_t g = 0; g < 256 / rows_a_group; ++g) {
+        uint32_t words[bits][kPanel] = {};
+        for (int64_t f = 0; f < kPanel; ++f) {
+          for (int64_t r = 0; r < rows_a_group; ++r) {
+            const uint32_t value = by_feature[f][g * rows_a_group + r];
+            const int64_t shift = Fields::shift_of(r);
+            words[Fields::word_of(r)][f] |= value << shift;
+            if (shift + bits > 32) words[Fields::word_of(r) + 1][f] |= value >> (32 - shift);
           }
         }
+        std::memcpy(to + header + g * rows_a_group * Format::kRowBytes, words, sizeof(words));
       }
     }
   });
