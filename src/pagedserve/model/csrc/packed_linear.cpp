@@ -191,7 +191,9 @@ Words and_words(Words words, int32_t mask) {
   return each_word(words, [&](uint32_t lane) { return lane & static_cast<uint32_t>(mask); });
 }
 template <int shift>
-Words shift_down(Words words) { return each_word(words, [](uint32_t lane) { return lane >> shift; }); }
+Words shift_down(Words words) {
+  return each_word(words, [](uint32_t lane) { return lane >> shift; });
+}
 Words shift_down(Words words, int shift) {
   return each_word(words, [&](uint32_t lane) { return lane >> shift; });
 }
@@ -209,17 +211,17 @@ Vec to_float(Words words) {
 }
 #endif
 
-// How a panel holds its values. BitFields<4> and <5> (Q4_1 and Q4_K's, Q5_0, Q5_1 and Q5_K's):
-// a group's 32 rows as 32 * bits bits a feature, row r's value in bits r * bits to r * bits +
-// bits - 1, held in `bits` 32-bit words stored [word][half][Vec::size()] (a half's word is one
-// vector load). A tile reads row r in place: the word masked to the field and converted is
+// How a panel holds its values. BitFields<4>, <5> and <6> (Q4_1 and Q4_K's; Q5_0, Q5_1 and Q5_K's;
+// Q6_K's): a group's 32 rows as 32 * bits bits a feature, row r's value in bits r * bits to r *
+// bits + bits - 1, held in `bits` 32-bit words stored [word][half][Vec::size()] (a half's word is
+// one vector load). A tile reads row r in place: the word masked to the field and converted is
 // value * 2^s (s = r * bits % 32), multiplied by an input pre-scaled by 2^-s once a call, which
 // gives the product x * value exactly, so the arithmetic is that of the value itself, in one mask
 // and one conversion a vector (nibbles a byte apart took a widening load, a mask and a shift for
 // two vectors, and a fifth bit beside them two more instructions). The field that ends its word is
-// shifted down, and the 5-bit fields that cross into the next word (rows 6, 12, 19 and 25) are
-// joined from their two parts: both meet the unscaled input. Inputs are scaled by at most 2^-28,
-// exactly unless below 2^-98 in magnitude.
+// shifted down, and those that cross into the next word (four of 32 for 5 and 6 bits) are joined
+// from their two parts: both meet the unscaled input. Inputs are scaled by at most 2^-26, exactly
+// unless below 2^-100 in magnitude.
 // SignedBytes: a byte a feature, a row's kPanel bytes after the other's.
 template <int64_t bits>
 struct BitFields {
