@@ -703,6 +703,9 @@ void product_group(const float* x, int64_t num_rows, int64_t in_features, Panels
   }
 }
 
+// Whether a product of that many rows widens narrow panels into float32 once (see product).
+constexpr bool widens_once(int64_t num_rows) { return num_rows > 2 * kRows; }
+
 // The product, in groups of as many panels as the rows left over from whole tiles take at once,
 // shared between the threads as work_sharing.h describes. Which thread computes a group does not
 // change its arithmetic.
@@ -713,7 +716,7 @@ template <typename Panels>
 void product(const float* x, int64_t num_rows, int64_t in_features, Panels weights,
              Epilogue epilogue, float* out, int64_t out_features, int64_t num_panels) {
   const int64_t group = panels_per_tile(num_rows % kRows);
-  const bool widen_once = !std::is_same_v<Panels, const float*> && num_rows > 2 * kRows;
+  const bool widen_once = !std::is_same_v<Panels, const float*> && widens_once(num_rows);
   const int64_t num_groups = (num_panels + group - 1) / group;
   pagedserve::share_items(num_groups, [&](pagedserve::SharedItems& groups) {
     std::vector<float> widened(widen_once ? group * in_features * kPanel : 0);
@@ -1208,15 +1211,18 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed_weigh
                     Format::kGroup);
               }
             }
+            // Read by the tiles of stored fields only: widened panels meet the inputs as they are.
             std::vector<float> scaled;
             if constexpr (Format::kFields) {
-              float scales[Format::kGroupRows];
-              for (int64_t r = 0; r < Format::kGroupRows; ++r) {
-                scales[r] = Format::input_scale(r);
-              }
-              scaled.resize(num_rows * in_features);
-              for (int64_t i = 0; i < static_cast<int64_t>(scaled.size()); ++i) {
-                scaled[i] = rows[i] * scales[i % Format::kGroupRows];
+              if (!widens_once(num_rows)) {
+                float scales[Format::kGroupRows];
+                for (int64_t r = 0; r < Format::kGroupRows; ++r) {
+                  scales[r] = Format::input_scale(r);
+                }
+                scaled.resize(num_rows * in_features);
+                for (int64_t i = 0; i < static_cast<int64_t>(scaled.size()); ++i) {
+                  scaled[i] = rows[i] * scales[i % Format::kGroupRows];
+                }
               }
             }
             run(BlockPanels<Format, uint8_t>{block_data, nullptr, in_features, rows,
