@@ -21,7 +21,6 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
-#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -255,6 +254,20 @@ struct BitFields {
       return at::vec::fmadd(to_float(rest), Vec(static_cast<float>(1 << (32 - shift))),
                             to_float(shift_down<shift>(words)));
     }
+  }
+  // Writes a group's words ([bits][kPanel] uint32, at `out`) from value_of(feature, row) for
+  // each of its kPanel features and kGroupRows rows (values below 2^bits).
+  template <typename ValueOf>
+  static void write_group(ValueOf value_of, uint8_t* out) {
+    uint32_t words[bits][kPanel] = {};
+    for (int64_t f = 0; f < kPanel; ++f) {
+      for (int64_t r = 0; r < kGroupRows; ++r) {
+        const uint32_t value = value_of(f, r);
+        words[word_of(r)][f] |= value << shift_of(r);
+        if (shift_of(r) + bits > 32) words[word_of(r) + 1][f] |= value >> (32 - shift_of(r));
+      }
+    }
+    std::memcpy(out, words, sizeof(words));
   }
   // Row `index` of a block's values as they are, for widening.
   static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
@@ -766,30 +779,29 @@ at::Tensor pack_blocks(at::TensorList header_parts, const at::Tensor& value_rows
   return at::cat(pieces, 2);
 }
 
-// values [out, in] (uint8) as panels [panels][in][kPanel], a value a byte.
-at::Tensor byte_rows(const at::Tensor& values) {
-  return pagedserve::pack_linear_weight(values.to(at::kChar)).to(at::kByte);
-}
-
-// BitFields<bits>' words for values [out][in] (uint8, below 2^bits): [panels][groups][bits
-// words][2 halves][Vec::size()] uint32, as bytes [panels][in][row bytes].
+// BitFields<bits>' words for values [out][in] (uint8, below 2^bits), as bytes [panels][in][row
+// bytes] (each group of 32 inputs [bits words][kPanel features]; features past out: zeros).
 template <int64_t bits>
 at::Tensor field_rows(const at::Tensor& values) {
   using Fields = BitFields<bits>;
   constexpr int64_t kRows = Fields::kGroupRows;
-  const at::Tensor panels = byte_rows(values);  // [panels][in][kPanel]
-  const int64_t num_panels = panels.size(0), groups = panels.size(1) / kRows;
-  const at::Tensor by_row = panels.to(at::kLong).view({num_panels, groups, kRows, kPanel});
-  at::Tensor words = at::zeros({num_panels, groups, bits, kPanel}, at::kLong);
-  for (int64_t r = 0; r < kRows; ++r) {
-    const int64_t index = Fields::word_of(r), shift = Fields::shift_of(r);
-    const at::Tensor value = by_row.select(2, r);
-    words.select(2, index).bitwise_or_(value.bitwise_left_shift(shift).bitwise_and(0xFFFFFFFFL));
-    if (shift + bits > 32) {
-      words.select(2, index + 1).bitwise_or_(value.bitwise_right_shift(32 - shift));
+  const at::Tensor given = values.contiguous();
+  const uint8_t* data = given.const_data_ptr<uint8_t>();
+  const int64_t out = given.size(0), in = given.size(1), groups = in / kRows;
+  const int64_t num_panels = (out + kPanel - 1) / kPanel;
+  at::Tensor rows = at::empty({num_panels, in, Fields::kRowBytes}, at::kByte);
+  uint8_t* target = rows.data_ptr<uint8_t>();
+  at::parallel_for(0, num_panels * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first = item / groups * kPanel, g = item % groups;
+      Fields::write_group(
+          [&](int64_t f, int64_t r) -> uint32_t {
+            return first + f < out ? data[(first + f) * in + g * kRows + r] : 0;
+          },
+          target + item * kRows * Fields::kRowBytes);
     }
-  }
-  return words.to(at::kInt).contiguous().view(at::kByte).view({num_panels, groups * kRows, -1});
+  });
+  return rows;
 }
 
 // values (uint8) at most max_value.
@@ -1033,20 +1045,12 @@ void pack_gguf_super_blocks(const at::Tensor& rows, int64_t gguf_bytes, ReadSupe
         }
       }
       std::memset(&by_feature[0][0] + features * 256, 0, (kPanel - features) * 256);
-      // Each group of 32 values' words, [word][feature].
       using Fields = BitFields<Format::kBits>;
-      constexpr int64_t bits = Format::kBits, rows_a_group = Fields::kGroupRows;
+      constexpr int64_t rows_a_group = Fields::kGroupRows;
       for (int64_t g = 0; g < 256 / rows_a_group; ++g) {
-        uint32_t words[bits][kPanel] = {};
-        for (int64_t f = 0; f < kPanel; ++f) {
-          for (int64_t r = 0; r < rows_a_group; ++r) {
-            const uint32_t value = by_feature[f][g * rows_a_group + r];
-            const int64_t shift = Fields::shift_of(r);
-            words[Fields::word_of(r)][f] |= value << shift;
-            if (shift + bits > 32) words[Fields::word_of(r) + 1][f] |= value >> (32 - shift);
-          }
-        }
-        std::memcpy(to + header + g * rows_a_group * Format::kRowBytes, words, sizeof(words));
+        Fields::write_group(
+            [&](int64_t f, int64_t r) -> uint32_t { return by_feature[f][g * rows_a_group + r]; },
+            to + header + g * rows_a_group * Format::kRowBytes);
       }
     }
   });
