@@ -255,16 +255,29 @@ struct BitFields {
                             to_float(shift_down<shift>(words)));
     }
   }
-  // Writes a group's words ([bits][kPanel] uint32, at `out`) from value_of(feature, row) for
-  // each of its kPanel features and kGroupRows rows (values below 2^bits).
-  template <typename ValueOf>
-  static void write_group(ValueOf value_of, uint8_t* out) {
+  // Writes a group's words ([bits][kPanel] uint32, at `out`) from the kGroupRows values (bytes
+  // below 2^bits) of each of its first `features` features, feature f's at values + f * stride;
+  // the features past them hold zeros. A feature's words are its values as one bit stream, value
+  // r at bit r * bits: each 8 values, a uint64 of bytes, close up to 8 * bits bits in three steps
+  // that halve the lanes, then take their place in the stream, so no value is shifted alone.
+  static void write_group(const uint8_t* values, int64_t stride, int64_t features, uint8_t* out) {
+    static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a group's bytes are its values");
+    constexpr int64_t chunk_bits = 8 * bits;
     uint32_t words[bits][kPanel] = {};
-    for (int64_t f = 0; f < kPanel; ++f) {
-      for (int64_t r = 0; r < kGroupRows; ++r) {
-        const uint32_t value = value_of(f, r);
-        words[word_of(r)][f] |= value << shift_of(r);
-        if (shift_of(r) + bits > 32) words[word_of(r) + 1][f] |= value >> (32 - shift_of(r));
+    for (int64_t f = 0; f < features; ++f) {
+      uint64_t stream[(bits + 1) / 2] = {};
+      for (int64_t chunk = 0; chunk < kGroupRows / 8; ++chunk) {
+        uint64_t x;
+        std::memcpy(&x, values + f * stride + 8 * chunk, 8);
+        x = (x & 0x00FF00FF00FF00FFull) | (x & 0xFF00FF00FF00FF00ull) >> (8 - bits);
+        x = (x & 0x0000FFFF0000FFFFull) | (x & 0xFFFF0000FFFF0000ull) >> (16 - 2 * bits);
+        x = (x & 0x00000000FFFFFFFFull) | (x & 0xFFFFFFFF00000000ull) >> (32 - 4 * bits);
+        const int64_t at = chunk * chunk_bits / 64, shift = chunk * chunk_bits % 64;
+        stream[at] |= x << shift;
+        if (shift + chunk_bits > 64) stream[at + 1] |= x >> (64 - shift);
+      }
+      for (int64_t w = 0; w < bits; ++w) {
+        words[w][f] = static_cast<uint32_t>(stream[w / 2] >> (32 * (w % 2)));
       }
     }
     std::memcpy(out, words, sizeof(words));
@@ -794,11 +807,8 @@ at::Tensor field_rows(const at::Tensor& values) {
   at::parallel_for(0, num_panels * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t first = item / groups * kPanel, g = item % groups;
-      Fields::write_group(
-          [&](int64_t f, int64_t r) -> uint32_t {
-            return first + f < out ? data[(first + f) * in + g * kRows + r] : 0;
-          },
-          target + item * kRows * Fields::kRowBytes);
+      Fields::write_group(data + first * in + g * kRows, in, std::min(kPanel, out - first),
+                          target + item * kRows * Fields::kRowBytes);
     }
   });
   return rows;
@@ -835,8 +845,8 @@ void check_super_block_header(const char* op, const at::Tensor& values, const at
                 ": d and dmin must be float16 of shape ", c10::IntArrayRef(block_shape), ", got ",
                 part->sizes(), " ", part->scalar_type());
   }
-  TORCH_CHECK(sc.sizes() == group_shape && sc.scalar_type() == sc_type && m.sizes() == group_shape &&
-                  m.scalar_type() == m_type,
+  TORCH_CHECK(sc.sizes() == group_shape && sc.scalar_type() == sc_type &&
+                  m.sizes() == group_shape && m.scalar_type() == m_type,
               op, ": sc and m must be ", sc_type, " and ", m_type, " of shape ",
               c10::IntArrayRef(group_shape), ", got ", sc.sizes(), " ", sc.scalar_type(), " and ",
               m.sizes(), " ", m.scalar_type());
@@ -1002,13 +1012,17 @@ void read_q6_k(const uint8_t* __restrict raw, SuperBlock& block, uint8_t* __rest
   TORCH_CHECK(std::isfinite(static_cast<float>(dmin_half)),
               "a GGUF scale is too large to hold as q6_k's minimum");
   block.dmin = dmin_half.x;
+  // Value 32 * quarter + i of a half: its low 4 bits from byte i (quarters 0, 2) or 32 + i
+  // (1, 3) of the half's ql, the bottom nibble first; its high 2 bits from bits 2 * quarter of
+  // byte i of its qh.
   for (int64_t half = 0; half < 2; ++half) {
-    for (int64_t quarter = 0; quarter < 4; ++quarter) {
-      for (int64_t i = 0; i < 32; ++i) {
-        const int64_t low = ql[64 * half + 32 * (quarter % 2) + i] >> (4 * (quarter / 2)) & 15;
-        const int64_t high = qh[32 * half + i] >> (2 * quarter) & 3;
-        values[128 * half + 32 * quarter + i] = static_cast<uint8_t>(low | high << 4);
-      }
+    const uint8_t *low = ql + 64 * half, *high = qh + 32 * half;
+    uint8_t* to = values + 128 * half;
+    for (int64_t i = 0; i < 32; ++i) {
+      to[i] = static_cast<uint8_t>((low[i] & 15) | (high[i] & 3) << 4);
+      to[32 + i] = static_cast<uint8_t>((low[32 + i] & 15) | (high[i] >> 2 & 3) << 4);
+      to[64 + i] = static_cast<uint8_t>(low[i] >> 4 | (high[i] >> 4 & 3) << 4);
+      to[96 + i] = static_cast<uint8_t>(low[32 + i] >> 4 | (high[i] >> 6) << 4);
     }
   }
 }
@@ -1044,13 +1058,11 @@ void pack_gguf_super_blocks(const at::Tensor& rows, int64_t gguf_bytes, ReadSupe
           to[4 * kPanel + (groups + g) * kPanel + f] = static_cast<uint8_t>(block.m[g]);
         }
       }
-      std::memset(&by_feature[0][0] + features * 256, 0, (kPanel - features) * 256);
       using Fields = BitFields<Format::kBits>;
       constexpr int64_t rows_a_group = Fields::kGroupRows;
       for (int64_t g = 0; g < 256 / rows_a_group; ++g) {
-        Fields::write_group(
-            [&](int64_t f, int64_t r) -> uint32_t { return by_feature[f][g * rows_a_group + r]; },
-            to + header + g * rows_a_group * Format::kRowBytes);
+        Fields::write_group(&by_feature[0][g * rows_a_group], 256, features,
+                            to + header + g * rows_a_group * Format::kRowBytes);
       }
     }
   });
