@@ -32,6 +32,10 @@ using Vec = at::vec::Vectorized<float>;
 // the latency of the fused multiply-adds, and each key vector is loaded once for all of them.
 constexpr int64_t kHeadsAtOnce = 8;
 constexpr int64_t kCacheLine = 64;  // bytes
+// The values' sums held in registers at once: heads x vectors of dims, at most 4 x 4 of the 32
+// AVX-512 registers or 4 x 2 of AVX2's 16, beside a row's vectors and a weight.
+constexpr int64_t kSliceHeads = 4;
+constexpr int64_t kSliceVectors = Vec::size() >= 16 ? 4 : 2;
 // Rows are prefetched this many tokens ahead: far enough for memory's latency, near enough to
 // stay in cache.
 constexpr int64_t kAhead = 8;
@@ -101,17 +105,107 @@ void dot_heads(int64_t n, const float* query, const scalar_t* key, int64_t head_
             stride);
 }
 
-// out_h += weights[h * stride] * value for n query heads.
 template <typename scalar_t>
-void accumulate_heads(const float* weights, int64_t stride, const scalar_t* value,
-                      int64_t head_dim, int64_t n, float* out) {
-  for (int64_t h = 0; h < n; ++h) {
-    const float weight = weights[h * stride];
-    float* o = out + h * head_dim;
-    int64_t d = 0;
-    for (; d + Vec::size() <= head_dim; d += Vec::size())
-      at::vec::fmadd(Vec(weight), load_floats(value + d), Vec::loadu(o + d)).store(o + d);
-    for (; d < head_dim; ++d) o[d] += weight * static_cast<float>(value[d]);
+const scalar_t* cache_row(const scalar_t* cache, const int64_t* table, int64_t position,
+                          const Shape& shape) {
+  const int64_t block = table[position / shape.block_size];
+  return cache + (block * shape.block_size + position % shape.block_size) * shape.row();
+}
+
+// out_h[d] += weights[h * stride + i] * value_i[d] for H query heads and V vectors of dims, over
+// `count` rows `row` apart from `value` (one block's, at a KV head's dims), in order: the H x V
+// sums stay in registers through the block, and each value vector is widened once for all H
+// heads. Row i also prefetches row i of `ahead` (`ahead_rows` rows of `ahead_bytes`; none: null).
+template <int64_t H, int64_t V, typename scalar_t>
+void accumulate_rows(const float* weights, int64_t stride, const scalar_t* value, int64_t row,
+                     int64_t count, int64_t head_dim, float* out, const char* ahead,
+                     int64_t ahead_rows, int64_t ahead_bytes) {
+  Vec sums[H][V];
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t v = 0; v < V; ++v) sums[h][v] = Vec::loadu(out + h * head_dim + v * Vec::size());
+  }
+  for (int64_t i = 0; i < count; ++i, value += row) {
+    if (i < ahead_rows) {
+      const char* next = ahead + i * ahead_bytes;
+      for (int64_t at = 0; at < ahead_bytes; at += kCacheLine) __builtin_prefetch(next + at);
+    }
+    Vec x[V];
+    for (int64_t v = 0; v < V; ++v) x[v] = load_floats(value + v * Vec::size());
+    for (int64_t h = 0; h < H; ++h) {
+      const Vec weight(weights[h * stride + i]);
+      for (int64_t v = 0; v < V; ++v) sums[h][v] = at::vec::fmadd(weight, x[v], sums[h][v]);
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t v = 0; v < V; ++v) sums[h][v].store(out + h * head_dim + v * Vec::size());
+  }
+}
+
+template <int64_t V, typename scalar_t, int64_t... Hs>
+void accumulate_rows(int64_t n, std::integer_sequence<int64_t, Hs...>, const float* weights,
+                     int64_t stride, const scalar_t* value, int64_t row, int64_t count,
+                     int64_t head_dim, float* out, const char* ahead, int64_t ahead_rows,
+                     int64_t ahead_bytes) {
+  ((n == Hs + 1 ? accumulate_rows<Hs + 1, V>(weights, stride, value, row, count, head_dim, out,
+                                               ahead, ahead_rows, ahead_bytes)
+                : void()),
+   ...);
+}
+
+// out ([heads][head_dim]) += the scores' weighted sum of the values from `first` to `end`
+// (scores [heads][stride], from `first`), a block at a time: within a block, kSliceHeads query
+// heads of a KV head and up to kSliceVectors vectors of dims at a time, then the dims past the last
+// whole vector one by one. Each sum adds the tokens in order, as a head at a time would.
+template <typename scalar_t>
+void accumulate_values(const float* scores, int64_t stride, const scalar_t* v_cache,
+                       const int64_t* table, const Shape& shape, int64_t first, int64_t end,
+                       float* out) {
+  const int64_t head_dim = shape.head_dim, group = shape.group(), row = shape.row();
+  const int64_t whole = head_dim / Vec::size() * Vec::size();
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(scalar_t));
+  const auto heads_at_once = std::make_integer_sequence<int64_t, kSliceHeads>();
+  for (int64_t position = first; position < end;) {
+    const int64_t count = std::min(shape.block_size - position % shape.block_size, end - position);
+    const scalar_t* rows = cache_row(v_cache, table, position, shape);
+    // The next block's rows, anywhere in the cache, are fetched while the first slice reads
+    // this one's.
+    int64_t ahead_rows = std::min(shape.block_size, end - position - count);
+    const char* ahead = ahead_rows > 0 ? reinterpret_cast<const char*>(
+                                             cache_row(v_cache, table, position + count, shape))
+                                       : nullptr;
+    const float* weights = scores + position - first;
+    for (int64_t kv = 0; kv < shape.num_kv_heads; ++kv) {
+      for (int64_t h = kv * group; h < (kv + 1) * group; h += kSliceHeads) {
+        const int64_t heads = std::min(kSliceHeads, (kv + 1) * group - h);
+        for (int64_t d = 0; d < whole;) {
+          const int64_t vectors = std::min(kSliceVectors, (whole - d) / Vec::size());
+          const int64_t taken = vectors >= 4 ? 4 : vectors >= 2 ? 2 : 1;
+          const auto slice = [&](auto v_tag) {
+            accumulate_rows<decltype(v_tag)::value>(
+                heads, heads_at_once, weights + h * stride, stride, rows + kv * head_dim + d, row,
+                count, head_dim, out + h * head_dim + d, ahead, ahead_rows, row_bytes);
+          };
+          if (taken == 4) {
+            slice(std::integral_constant<int64_t, 4>());
+          } else if (taken == 2) {
+            slice(std::integral_constant<int64_t, 2>());
+          } else {
+            slice(std::integral_constant<int64_t, 1>());
+          }
+          ahead_rows = 0;  // one pass prefetches
+          d += taken * Vec::size();
+        }
+        for (int64_t i = 0; i < count; ++i) {
+          const scalar_t* value = rows + i * row + kv * head_dim;
+          for (int64_t j = h; j < h + heads; ++j) {
+            const float weight = weights[j * stride + i];
+            for (int64_t d = whole; d < head_dim; ++d)
+              out[j * head_dim + d] += weight * static_cast<float>(value[d]);
+          }
+        }
+      }
+    }
+    position += count;
   }
 }
 
@@ -128,13 +222,6 @@ std::pair<float, float> exponentiate(float* scores, int64_t n) {
 
 void scale_in_place(float* x, float factor, int64_t n) {
   at::vec::map([factor](Vec v) { return v * Vec(factor); }, x, x, n);
-}
-
-template <typename scalar_t>
-const scalar_t* cache_row(const scalar_t* cache, const int64_t* table, int64_t position,
-                          const Shape& shape) {
-  const int64_t block = table[position / shape.block_size];
-  return cache + (block * shape.block_size + position % shape.block_size) * shape.row();
 }
 
 // Asks for the cache row of `position` ahead of its use. Within a block rows are contiguous and
@@ -193,15 +280,8 @@ void attend_chunk(const query_t* query, const scalar_t* k_cache, const scalar_t*
     }
   }
   std::fill(work.out.begin(), work.out.end(), 0.f);
-  for (int64_t position = first; position < context_len; ++position) {
-    if (position + kAhead < context_len) prefetch_row(v_cache, table, position + kAhead, shape);
-    const scalar_t* row = cache_row(v_cache, table, position, shape);
-    for (int64_t kv = 0; kv < shape.num_kv_heads; ++kv) {
-      const scalar_t* value = row + kv * head_dim;
-      accumulate_heads(work.scores.data() + kv * group * count + position - first, count, value,
-                       head_dim, group, work.out.data() + kv * group * head_dim);
-    }
-  }
+  accumulate_values(work.scores.data(), count, v_cache, table, shape, first, context_len,
+                    work.out.data());
 }
 
 // Splits each sequence's context (its last sliding_window tokens, if above 0) into chunks of
