@@ -471,7 +471,8 @@ def test_gguf_weight_bytes_count_every_tensor_at_its_quantized_size():
 def test_report_writes_every_section(checkpoint, tmp_path):
     from pagedserve.bench.cli import main
     from pagedserve.bench.records import HostResults, KQuants, output_ratio
-    from pagedserve.bench.render import SEATED_ROWS, step_count_bound, targets
+    from pagedserve.bench.render import SEATED_ROWS, step_count_bound
+    from pagedserve.bench.render import targets as render_targets
     from pagedserve.bench.report import POLICIES, ReportConfig, write_report
     from pagedserve.bench.speed import LongPromptLoad
     from pagedserve.model.cpu_features import CpuFeatures
@@ -521,7 +522,7 @@ def test_report_writes_every_section(checkpoint, tmp_path):
         single_stream=[source_run, q4_k_m_run, llama_run],
         w1_all_seated=[q4_k_m_run, llama_run],
     )
-    k_rows = [t for t in targets(other.details, other.machine) if t.number == "30"]
+    k_rows = [t for t in render_targets(other.details, other.machine) if t.number == "30"]
     assert len(k_rows) == 2 and (k_rows[0].goal, k_rows[0].met) == ("<= 1.15x", True)
     ratio = q4_k_m_run.decode_tokens_per_s / source_run.decode_tokens_per_s
     assert k_rows[1].measured.startswith(f"{ratio:.2f}x") and k_rows[1].met == (ratio >= 0.9)
@@ -648,6 +649,14 @@ def test_report_writes_every_section(checkpoint, tmp_path):
     ratio = invariant.output_throughput / variant.output_throughput
     assert "| 39 | W1 offline, all seated: the batch-invariant default" in targets
     assert f"| >= 0.95x | {ratio:.2f}x ({invariant.output_throughput:.1f} output" in targets
+    # An AVX-512 VNNI host's W1 goal holds for its fastest path: auto's or q4_1_q8's with a
+    # bfloat16 KV cache.
+    wide = host.machine.model_copy(update={"cpu": f"{host.machine.cpu} (AVX-512 VNNI)"})
+    (w1,) = (t for t in render_targets(d, wide) if t.name.startswith("W1 offline, all 64"))
+    rates = [d.fastest_seated(r).output_throughput for r in ("q4_1", "q4_1_q8, bfloat16 KV cache")]
+    assert w1.measured.startswith(f"{max(rates):.1f} output tokens/s (auto's q4_1 {rates[0]:.1f}")
+    assert f"q4_1_q8 with a bfloat16 KV cache {rates[1]:.1f}" in w1.measured
+    assert w1.met == (max(rates) >= 600)
     # The target rows run float32 packed weights, whatever auto would pick.
     assert "(the rows below pin these unless they say otherwise) | float32 |" in report
     # and so do the commands shown beside them: both policies, the baseline, the sweep, bench

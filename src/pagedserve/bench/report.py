@@ -346,13 +346,17 @@ def _w1_seated_rounds(
     config: ReportConfig, requests: list[BenchRequest], stages: _Stages
 ) -> tuple[dict[str, list[Run]], list[ServeRun]]:
     """W1 with every request seated, round after round: offline for each row of SEATED_ROWS
-    (the weights pinned as the report's, a bfloat16 KV cache, each packed format, Q4_1 with
-    batch invariance off), then over HTTP."""
+    (the weights pinned as the report's, a bfloat16 KV cache, each packed format, Q4_1_Q8 with a
+    bfloat16 KV cache, Q4_1 with batch invariance off), then over HTTP."""
     variants = {
         "float32": {},
         "bfloat16 KV cache": {"kv_cache_dtype": "bfloat16"},
         "q4_1": {"packed_weight_dtype": "q4_1"},
         "q4_1_q8": {"packed_weight_dtype": "q4_1_q8"},
+        "q4_1_q8, bfloat16 KV cache": {
+            "packed_weight_dtype": "q4_1_q8",
+            "kv_cache_dtype": "bfloat16",
+        },
         "bfloat16_bf16": {"packed_weight_dtype": "bfloat16_bf16"},
         "q4_1, not batch-invariant": {"packed_weight_dtype": "q4_1", "batch_invariant": False},
     }
