@@ -127,7 +127,8 @@ def targets(details: Details, machine: Machine) -> list[Target]:
     if wide:
         # The AVX-512 VNNI and BF16 hosts' goal holds for the fastest path they have. Auto's exact
         # q4_1 multiplies and adds in float32: W1's 13,061 tokens through 135M parameters are
-        # 3.5 TFLOP, 244 GFLOP/s at 600 tokens/s, above two cores' peak of 32 a cycle each.
+        # 3.5 TFLOP, 244 GFLOP/s at 600 tokens/s, which two cores of 32 float32 flops a cycle
+        # reach only at 3.8 GHz, with nothing left for attention.
         # Results from before that row was measured have none.
         vnni_text, best = "", auto_seated.output_throughput
         if d.seated.get("q4_1_q8, bfloat16 KV cache"):
