@@ -59,6 +59,7 @@ def _assert_matches_reference(out, query, k_cache, v_cache, tables, context_lens
         (9, 3, 64, 0, torch.float32),  # SmolLM2's shape
         (20, 2, 20, 0, torch.float32),  # groups of 10 heads; a head_dim beyond whole vectors
         (4, 4, 32, 0, torch.float32),  # no grouping
+        (6, 6, 20, 0, torch.float32),  # no grouping, sets of heads across KV heads, tail dims
         (8, 2, 16, 21, torch.float32),  # sliding window
         (9, 3, 64, 0, torch.bfloat16),
     ],

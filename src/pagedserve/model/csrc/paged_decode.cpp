@@ -114,9 +114,10 @@ const scalar_t* cache_row(const scalar_t* cache, const int64_t* table, int64_t p
 
 // out_h[d] += weights[h * stride + i] * value_i[d] for H query heads and V vectors of dims, over
 // `count` rows `row` apart from `value` (one block's, at a KV head's dims), in order: the H x V
-// sums stay in registers through the block, and each value vector is widened once for all H
-// heads. Row i also prefetches row i of `ahead` (`ahead_rows` rows of `ahead_bytes`; none: null).
-template <int64_t H, int64_t V, typename scalar_t>
+// sums stay in registers through the block. Heads of one KV head (!own) share each value vector,
+// widened once for all H; heads with a KV head each (own: no grouping) read theirs, head_dim
+// apart. Row i also prefetches row i of `ahead` (`ahead_rows` rows of `ahead_bytes`; none: null).
+template <int64_t H, int64_t V, bool own, typename scalar_t>
 void accumulate_rows(const float* weights, int64_t stride, const scalar_t* value, int64_t row,
                      int64_t count, int64_t head_dim, float* out, const char* ahead,
                      int64_t ahead_rows, int64_t ahead_bytes) {
@@ -129,11 +130,21 @@ void accumulate_rows(const float* weights, int64_t stride, const scalar_t* value
       const char* next = ahead + i * ahead_bytes;
       for (int64_t at = 0; at < ahead_bytes; at += kCacheLine) __builtin_prefetch(next + at);
     }
-    Vec x[V];
-    for (int64_t v = 0; v < V; ++v) x[v] = load_floats(value + v * Vec::size());
-    for (int64_t h = 0; h < H; ++h) {
-      const Vec weight(weights[h * stride + i]);
-      for (int64_t v = 0; v < V; ++v) sums[h][v] = at::vec::fmadd(weight, x[v], sums[h][v]);
+    if constexpr (own) {
+      for (int64_t h = 0; h < H; ++h) {
+        const Vec weight(weights[h * stride + i]);
+        for (int64_t v = 0; v < V; ++v) {
+          const Vec x = load_floats(value + h * head_dim + v * Vec::size());
+          sums[h][v] = at::vec::fmadd(weight, x, sums[h][v]);
+        }
+      }
+    } else {
+      Vec x[V];
+      for (int64_t v = 0; v < V; ++v) x[v] = load_floats(value + v * Vec::size());
+      for (int64_t h = 0; h < H; ++h) {
+        const Vec weight(weights[h * stride + i]);
+        for (int64_t v = 0; v < V; ++v) sums[h][v] = at::vec::fmadd(weight, x[v], sums[h][v]);
+      }
     }
   }
   for (int64_t h = 0; h < H; ++h) {
@@ -141,21 +152,21 @@ void accumulate_rows(const float* weights, int64_t stride, const scalar_t* value
   }
 }
 
-template <int64_t V, typename scalar_t, int64_t... Hs>
+template <int64_t V, bool own, typename scalar_t, int64_t... Hs>
 void accumulate_rows(int64_t n, std::integer_sequence<int64_t, Hs...>, const float* weights,
                      int64_t stride, const scalar_t* value, int64_t row, int64_t count,
                      int64_t head_dim, float* out, const char* ahead, int64_t ahead_rows,
                      int64_t ahead_bytes) {
-  ((n == Hs + 1 ? accumulate_rows<Hs + 1, V>(weights, stride, value, row, count, head_dim, out,
-                                               ahead, ahead_rows, ahead_bytes)
+  ((n == Hs + 1 ? accumulate_rows<Hs + 1, V, own>(weights, stride, value, row, count, head_dim,
+                                                    out, ahead, ahead_rows, ahead_bytes)
                 : void()),
    ...);
 }
 
 // out ([heads][head_dim]) += the scores' weighted sum of the values from `first` to `end`
 // (scores [heads][stride], from `first`), a block at a time: within a block, kSliceHeads query
-// heads of a KV head and up to kSliceVectors vectors of dims at a time, then the dims past the last
-// whole vector one by one. Each sum adds the tokens in order, as a head at a time would.
+// heads and up to kSliceVectors vectors of dims at a time, then the dims past the last whole
+// vector one by one. Each sum adds the tokens in order, as a head at a time would.
 template <typename scalar_t>
 void accumulate_values(const float* scores, int64_t stride, const scalar_t* v_cache,
                        const int64_t* table, const Shape& shape, int64_t first, int64_t end,
@@ -174,36 +185,42 @@ void accumulate_values(const float* scores, int64_t stride, const scalar_t* v_ca
                                              cache_row(v_cache, table, position + count, shape))
                                        : nullptr;
     const float* weights = scores + position - first;
-    for (int64_t kv = 0; kv < shape.num_kv_heads; ++kv) {
-      for (int64_t h = kv * group; h < (kv + 1) * group; h += kSliceHeads) {
-        const int64_t heads = std::min(kSliceHeads, (kv + 1) * group - h);
-        for (int64_t d = 0; d < whole;) {
-          const int64_t vectors = std::min(kSliceVectors, (whole - d) / Vec::size());
-          const int64_t taken = vectors >= 4 ? 4 : vectors >= 2 ? 2 : 1;
-          const auto slice = [&](auto v_tag) {
-            accumulate_rows<decltype(v_tag)::value>(
-                heads, heads_at_once, weights + h * stride, stride, rows + kv * head_dim + d, row,
-                count, head_dim, out + h * head_dim + d, ahead, ahead_rows, row_bytes);
-          };
+    // A set of heads: up to kSliceHeads of one KV head's group, or of consecutive KV heads when
+    // each head has its own.
+    const bool own = group == 1;
+    for (int64_t h = 0; h < shape.num_heads;) {
+      const int64_t kv = h / group;
+      const int64_t heads = std::min(kSliceHeads, (own ? shape.num_heads : (kv + 1) * group) - h);
+      for (int64_t d = 0; d < whole;) {
+        const int64_t vectors = std::min(kSliceVectors, (whole - d) / Vec::size());
+        const int64_t taken = vectors >= 4 ? 4 : vectors >= 2 ? 2 : 1;
+        const auto slice = [&](auto v_tag, auto own_tag) {
+          accumulate_rows<decltype(v_tag)::value, decltype(own_tag)::value>(
+              heads, heads_at_once, weights + h * stride, stride, rows + kv * head_dim + d, row,
+              count, head_dim, out + h * head_dim + d, ahead, ahead_rows, row_bytes);
+        };
+        const auto of_width = [&](auto own_tag) {
           if (taken == 4) {
-            slice(std::integral_constant<int64_t, 4>());
+            slice(std::integral_constant<int64_t, 4>(), own_tag);
           } else if (taken == 2) {
-            slice(std::integral_constant<int64_t, 2>());
+            slice(std::integral_constant<int64_t, 2>(), own_tag);
           } else {
-            slice(std::integral_constant<int64_t, 1>());
+            slice(std::integral_constant<int64_t, 1>(), own_tag);
           }
-          ahead_rows = 0;  // one pass prefetches
-          d += taken * Vec::size();
-        }
-        for (int64_t i = 0; i < count; ++i) {
-          const scalar_t* value = rows + i * row + kv * head_dim;
-          for (int64_t j = h; j < h + heads; ++j) {
-            const float weight = weights[j * stride + i];
-            for (int64_t d = whole; d < head_dim; ++d)
-              out[j * head_dim + d] += weight * static_cast<float>(value[d]);
-          }
+        };
+        own ? of_width(std::true_type()) : of_width(std::false_type());
+        ahead_rows = 0;  // one pass prefetches
+        d += taken * Vec::size();
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t j = h; j < h + heads; ++j) {
+          const scalar_t* value = rows + i * row + (own ? j : kv) * head_dim;
+          const float weight = weights[j * stride + i];
+          for (int64_t d = whole; d < head_dim; ++d)
+            out[j * head_dim + d] += weight * static_cast<float>(value[d]);
         }
       }
+      h += heads;
     }
     position += count;
   }
