@@ -112,6 +112,11 @@ const scalar_t* cache_row(const scalar_t* cache, const int64_t* table, int64_t p
   return cache + (block * shape.block_size + position % shape.block_size) * shape.row();
 }
 
+// Asks for the cache lines of `bytes` bytes from `start` ahead of their use.
+inline void prefetch_bytes(const char* start, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += kCacheLine) __builtin_prefetch(start + offset);
+}
+
 // out_h[d] += weights[h * stride + i] * value_i[d] for H query heads and V vectors of dims, over
 // `count` rows `row` apart from `value` (one block's, at a KV head's dims), in order: the H x V
 // sums stay in registers through the block. Heads of one KV head (!own) share each value vector,
@@ -126,10 +131,7 @@ void accumulate_rows(const float* weights, int64_t stride, const scalar_t* value
     for (int64_t v = 0; v < V; ++v) sums[h][v] = Vec::loadu(out + h * head_dim + v * Vec::size());
   }
   for (int64_t i = 0; i < count; ++i, value += row) {
-    if (i < ahead_rows) {
-      const char* next = ahead + i * ahead_bytes;
-      for (int64_t at = 0; at < ahead_bytes; at += kCacheLine) __builtin_prefetch(next + at);
-    }
+    if (i < ahead_rows) prefetch_bytes(ahead + i * ahead_bytes, ahead_bytes);
     if constexpr (own) {
       for (int64_t h = 0; h < H; ++h) {
         const Vec weight(weights[h * stride + i]);
@@ -246,9 +248,8 @@ void scale_in_place(float* x, float factor, int64_t n) {
 template <typename scalar_t>
 void prefetch_row(const scalar_t* cache, const int64_t* table, int64_t position,
                   const Shape& shape) {
-  const char* row = reinterpret_cast<const char*>(cache_row(cache, table, position, shape));
-  const int64_t bytes = shape.row() * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t offset = 0; offset < bytes; offset += kCacheLine) __builtin_prefetch(row + offset);
+  prefetch_bytes(reinterpret_cast<const char*>(cache_row(cache, table, position, shape)),
+                 shape.row() * static_cast<int64_t>(sizeof(scalar_t)));
 }
 
 // Buffers of one thread, reused across its tasks.
