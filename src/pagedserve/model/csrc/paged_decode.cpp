@@ -277,7 +277,13 @@ void attend_chunk(const query_t* query, const scalar_t* k_cache, const scalar_t*
     work.query[i] = static_cast<float>(query[i]) * scale;
   work.scores.resize(shape.num_heads * count);  // [head][token]
   for (int64_t position = first; position < context_len; ++position) {
-    if (position + kAhead < context_len) prefetch_row(k_cache, table, position + kAhead, shape);
+    // The value rows are asked for with the keys, so that the value pass finds the chunk in
+    // cache: its slices each read one part of every row, which the hardware prefetcher does not
+    // follow.
+    if (position + kAhead < context_len) {
+      prefetch_row(k_cache, table, position + kAhead, shape);
+      prefetch_row(v_cache, table, position + kAhead, shape);
+    }
     const scalar_t* row = cache_row(k_cache, table, position, shape);
     for (int64_t kv = 0; kv < shape.num_kv_heads; ++kv) {
       const scalar_t* key = row + kv * head_dim;
