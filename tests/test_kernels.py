@@ -377,16 +377,18 @@ def test_bit_fields_give_the_bits_of_bytes():
 
 
 @pytest.mark.parametrize(
-    "weight_dtype", [*_DTYPES, *_BLOCK_DTYPES, *_INTEGER_DTYPES, "bfloat16_bf16"]
+    "weight_dtype", [*_DTYPES, *_BLOCK_DTYPES, "q5_k", "q6_k", *_INTEGER_DTYPES, "bfloat16_bf16"]
 )
 def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
-    """Tiles of different heights and widths sum every output in the same order, so a sequence's
+    """Tiles of different heights and widths sum every output in the same order, and panels
+    widened once (above 12 rows) hold the values the narrow tiles read in place, so a sequence's
     logits are the same bits whatever else shares its step."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
-    packed, scale, _ = _packed_weights(200, 96, weight_dtype, generator)
+    in_features = 256 if weight_dtype in _K_QUANTS else 96  # whole super-blocks
+    packed, scale, _ = _packed_weights(200, in_features, weight_dtype, generator)
     bias = torch.randn(200, generator=generator)
-    x = torch.randn(20, 96, generator=generator)
+    x = torch.randn(20, in_features, generator=generator)
     alone = torch.ops.pagedserve.packed_linear(x[:1], packed, 200, bias, scale)
     for rows in range(2, 21):
         batched = torch.ops.pagedserve.packed_linear(x[:rows], packed, 200, bias, scale)

@@ -148,13 +148,6 @@ Words and_words(Words words, int32_t mask) {
 }
 template <int shift>
 Words shift_down(Words words) { return _mm512_srli_epi32(words, shift); }
-Words shift_down(Words words, int shift) {
-  return _mm512_srl_epi32(words, _mm_cvtsi32_si128(shift));
-}
-Words shift_up(Words words, int shift) {
-  return _mm512_sll_epi32(words, _mm_cvtsi32_si128(shift));
-}
-Words or_words(Words a, Words b) { return _mm512_or_si512(a, b); }
 #elif defined(CPU_CAPABILITY_AVX2)
 using Words = __m256i;
 Words load_words(const uint8_t* bytes) {
@@ -165,13 +158,6 @@ Words and_words(Words words, int32_t mask) {
 }
 template <int shift>
 Words shift_down(Words words) { return _mm256_srli_epi32(words, shift); }
-Words shift_down(Words words, int shift) {
-  return _mm256_srl_epi32(words, _mm_cvtsi32_si128(shift));
-}
-Words shift_up(Words words, int shift) {
-  return _mm256_sll_epi32(words, _mm_cvtsi32_si128(shift));
-}
-Words or_words(Words a, Words b) { return _mm256_or_si256(a, b); }
 #else
 struct Words {
   uint32_t lanes[Vec::size()];
@@ -192,16 +178,6 @@ Words and_words(Words words, int32_t mask) {
 template <int shift>
 Words shift_down(Words words) {
   return each_word(words, [](uint32_t lane) { return lane >> shift; });
-}
-Words shift_down(Words words, int shift) {
-  return each_word(words, [&](uint32_t lane) { return lane >> shift; });
-}
-Words shift_up(Words words, int shift) {
-  return each_word(words, [&](uint32_t lane) { return lane << shift; });
-}
-Words or_words(Words a, Words b) {
-  for (int64_t i = 0; i < Vec::size(); ++i) a.lanes[i] |= b.lanes[i];
-  return a;
 }
 Vec to_float(Words words) {
   float values[Vec::size()];
@@ -282,19 +258,18 @@ struct BitFields {
     }
     std::memcpy(out, words, sizeof(words));
   }
-  // Row `index` of a block's values as they are, for widening.
-  static std::pair<Vec, Vec> widen_row(const uint8_t* values, int64_t index) {
-    const uint8_t* group = values + index / kGroupRows * kGroupRows * kRowBytes;
-    const int64_t r = index % kGroupRows, word_index = word_of(r), shift = shift_of(r);
-    Vec halves[2];
-    for (int64_t half = 0; half < 2; ++half) {
-      Words words = shift_down(word(group, word_index, half), static_cast<int>(shift));
-      if (shift + bits > 32) {
-        words = or_words(words, shift_up(word(group, word_index + 1, half), 32 - shift));
-      }
-      halves[half] = to_float(and_words(words, (1 << bits) - 1));
-    }
-    return {halves[0], halves[1]};
+  // The group's kGroupRows rows of values as they are, [kGroupRows][kPanel] float32 at `out`,
+  // for widening: field<r> times 2^-shift_of(r) where it is read in place, which is exact.
+  static void widen_group(const uint8_t* group, float* out) {
+    [&]<int64_t... r>(std::integer_sequence<int64_t, r...>) {
+      (widen_field<r>(group, out + r * kPanel), ...);
+    }(std::make_integer_sequence<int64_t, kGroupRows>{});
+  }
+  template <int64_t r>
+  static void widen_field(const uint8_t* group, float* out) {
+    const Vec unscale(in_place(r) ? 1.0f / static_cast<float>(int64_t{1} << shift_of(r)) : 1.0f);
+    (field<r>(group, 0) * unscale).store(out);
+    (field<r>(group, 1) * unscale).store(out + Vec::size());
   }
 };
 using Nibbles = BitFields<4>;
@@ -410,7 +385,8 @@ struct BlockPanels {
   const uint8_t* block_of(int64_t g) const {
     return blocks + g / Format::kGroupsPerBlock * kBlockBytes<Format>;
   }
-  // Row k of the panel, in group g.
+  // Row k of the panel, in group g: widened, or SignedBytes as stored (BitFields panels are read
+  // a group at a time, see accumulate_fields and widen_panels).
   std::pair<Vec, Vec> row(int64_t g, int64_t k) const {
     if constexpr (std::is_same_v<value_t, float>) {
       return {Vec::loadu(widened + k * kPanel), Vec::loadu(widened + k * kPanel + Vec::size())};
@@ -451,10 +427,17 @@ BlockPanels<Format, float> widen_panels(BlockPanels<Format, uint8_t> panels, int
                                         int64_t in_features, float* out) {
   for (int64_t p = 0; p < count; ++p) {
     const BlockPanels<Format, uint8_t> panel = panels.at_panel(p);
-    for (int64_t k = 0; k < in_features; ++k) {
-      const auto [low, high] = panel.row(k / Format::kGroup, k);
-      low.store(out + (p * in_features + k) * kPanel);
-      high.store(out + (p * in_features + k) * kPanel + Vec::size());
+    float* panel_out = out + p * in_features * kPanel;
+    if constexpr (Format::kFields) {
+      for (int64_t k = 0; k < in_features; k += Format::kGroupRows) {
+        Format::widen_group(panel.group_values(k / Format::kGroup), panel_out + k * kPanel);
+      }
+    } else {
+      for (int64_t k = 0; k < in_features; ++k) {
+        const auto [low, high] = panel.row(k / Format::kGroup, k);
+        low.store(panel_out + k * kPanel);
+        high.store(panel_out + k * kPanel + Vec::size());
+      }
     }
   }
   return {panels.blocks, out, in_features, panels.inputs, panels.input_sums};
