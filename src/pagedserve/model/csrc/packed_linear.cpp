@@ -209,8 +209,8 @@ struct BitFields {
   static constexpr int64_t shift_of(int64_t r) { return r * bits % 32; }
   // Row r's fields are read in place (times 2^shift_of(r)) unless they end or cross their word.
   static constexpr bool in_place(int64_t r) { return shift_of(r) + bits < 32; }
-  static float input_scale(int64_t r) {
-    return in_place(r) ? std::ldexp(1.0f, -static_cast<int>(shift_of(r))) : 1.0f;
+  static constexpr float input_scale(int64_t r) {
+    return in_place(r) ? 1.0f / static_cast<float>(int64_t{1} << shift_of(r)) : 1.0f;
   }
   static Words word(const uint8_t* group, int64_t index, int64_t half) {
     return load_words(group + (2 * index + half) * kHalfBytes);
@@ -259,7 +259,7 @@ struct BitFields {
     std::memcpy(out, words, sizeof(words));
   }
   // The group's kGroupRows rows of values as they are, [kGroupRows][kPanel] float32 at `out`,
-  // for widening: field<r> times 2^-shift_of(r) where it is read in place, which is exact.
+  // for widening: field<r> times input_scale(r), which is exact.
   static void widen_group(const uint8_t* group, float* out) {
     [&]<int64_t... r>(std::integer_sequence<int64_t, r...>) {
       (widen_field<r>(group, out + r * kPanel), ...);
@@ -267,7 +267,7 @@ struct BitFields {
   }
   template <int64_t r>
   static void widen_field(const uint8_t* group, float* out) {
-    const Vec unscale(in_place(r) ? 1.0f / static_cast<float>(int64_t{1} << shift_of(r)) : 1.0f);
+    const Vec unscale(input_scale(r));
     (field<r>(group, 0) * unscale).store(out);
     (field<r>(group, 1) * unscale).store(out + Vec::size());
   }
